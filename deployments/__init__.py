@@ -1,0 +1,1 @@
+"""Ray Serve deployment, HTTP API, engine loop and CLI of tpserve."""

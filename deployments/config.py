@@ -1,0 +1,82 @@
+"""The one validated configuration object of a tpserve application.
+
+Everything `serve run deployments.app:build_app key=value ...`, `serve_config.yaml`, the CLI and
+the KubeRay manifest pass ends up here; a bad value fails at start with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad application config, with a message that names the offending field(s)."""
+
+
+class TpserveConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # Path to a local HF folder (LlamaForCausalLM + safetensors); None = embedded SmolLM2 default.
+    model: str | None = None
+    # Name clients use in the `model` field; defaults to the folder name of `model`.
+    served_model_name: str | None = None
+    # Weights/activation dtype: "auto" = float32 on CPU, bfloat16 on GPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Longest prompt + output in tokens; None = the model's max_position_embeddings.
+    max_model_len: int | None = Field(default=None, gt=0)
+    # Tokens per KV block.
+    block_size: int = Field(default=16, gt=0, le=256)
+    # KV cache size on CPU, GiB per rank.
+    kv_cache_memory_gib: float = Field(default=2.0, gt=0)
+    # Fraction of GPU memory tpserve may use (weights + activations + KV) on GPU.
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # Most requests running at once.
+    max_num_seqs: int = Field(default=64, gt=0)
+    # Per-step token budget (prefill chunks + decode tokens).
+    max_num_batched_tokens: int = Field(default=512, gt=0)
+    # Automatic prefix caching.
+    enable_prefix_caching: bool = True
+    # Ranks per replica; 1 runs the model in the replica's own process.
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    # Placement strategy of the replica's placement group.
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
+    # Requests allowed to wait before new ones get 503 + Retry-After.
+    max_waiting_requests: int = Field(default=1024, gt=0)
+    # Fixed replica count (ignored when autoscaling_config is set).
+    num_replicas: int = Field(default=1, gt=0)
+    # Ray Serve autoscaling config (min_replicas, max_replicas, target_ongoing_requests, ...).
+    autoscaling_config: dict[str, Any] | None = None
+    # Ray Serve's cap on concurrent requests per replica.
+    max_ongoing_requests: int = Field(default=256, gt=0)
+    # Attach per-request `metrics` to every response (clients may also ask per request).
+    request_metrics: bool = False
+    # How many finished requests keep their timeline for GET /v1/requests/{id}/timeline.
+    timeline_capacity: int = Field(default=1000, ge=0)
+    # Seconds between periodic stats log lines while there is work.
+    log_stats_interval_s: float = Field(default=5.0, gt=0)
+    # A step that takes longer than this fails the engine (dead or hung worker).
+    step_timeout_s: float = Field(default=120.0, gt=0)
+    # Run decode eagerly on GPU instead of replaying CUDA graphs.
+    enforce_eager: bool = False
+    # Largest decode batch captured in a CUDA graph (capped by max_num_seqs).
+    max_cuda_graph_batch_size: int = Field(default=256, gt=0)
+
+    @model_validator(mode="after")
+    def _check_budgets(self) -> "TpserveConfig":
+        if self.max_model_len is not None and self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size")
+        return self
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> "TpserveConfig":
+        """Validate a plain dict (Serve app args, YAML, CLI); raise ConfigError naming the fields."""
+        try:
+            return cls.model_validate(dict(args or {}))
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                field_name = ".".join(str(p) for p in err["loc"]) or "config"
+                problems.append(f"{field_name}: {err['msg']}")
+            raise ConfigError("invalid tpserve config: " + "; ".join(problems)) from None

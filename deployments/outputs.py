@@ -1,0 +1,51 @@
+"""What the engine hands the HTTP layer for one request, once per step that touched it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from metrics.events import RequestEvent
+
+
+@dataclass
+class TokenLogprob:
+    # The token id.
+    token_id: int
+    # Its decoded text.
+    token: str
+    # Natural-log probability under the model's (unprocessed) distribution.
+    logprob: float
+
+
+@dataclass
+class PositionLogprobs:
+    # The sampled token at this position with its logprob.
+    sampled: TokenLogprob
+    # The N most likely tokens at this position (N = SamplingParams.logprobs), most likely first.
+    top: list[TokenLogprob]
+
+
+@dataclass
+class RequestOutput:
+    # The engine request id (one per choice when n > 1).
+    request_id: str
+    # Token ids produced since the previous output of this request.
+    new_token_ids: list[int]
+    # Text released since the previous output (held back while it could still become a stop string).
+    new_text: str
+    # Per new token, its logprobs when the request asked for them.
+    new_logprobs: list[PositionLogprobs] | None
+    # True on the last output of the request.
+    finished: bool
+    # "stop" | "length" | "abort" once finished, else None.
+    finish_reason: str | None
+    # Prompt length in tokens.
+    num_prompt_tokens: int
+    # Output tokens so far (after stop-string truncation on the final output).
+    num_output_tokens: int
+    # Prompt tokens served from the prefix cache at first admission.
+    num_cached_tokens: int
+    # Engine events recorded since the previous output (QUEUED, SCHEDULED, ...).
+    new_events: list[RequestEvent] = field(default_factory=list)
+    # Set when the request ended because of an engine error (finish_reason "abort").
+    error: str | None = None
