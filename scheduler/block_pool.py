@@ -1,0 +1,130 @@
+"""The pool of KV blocks: ref counts, a null block, an LRU free queue, and the prefix-cache map.
+
+A block is in exactly one of three states (METRICS.md section 4):
+  used    ref_cnt > 0                      held by at least one live request
+  cached  ref_cnt == 0 and block_hash set  evictable, kept for prefix reuse
+  free    ref_cnt == 0, no hash            empty
+Cached and free blocks both sit in the free queue, least recently freed first; taking a cached
+block for new data evicts it from the prefix map. Block 0 is the null block: never handed out
+(padding in CUDA graphs points at it) and never counted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+# A full block's identity: the parent's hash plus its own token ids. The map compares the whole
+# key, so two different blocks never alias through a hash collision of their own tokens.
+BlockKey = tuple[int | None, tuple[int, ...]]
+
+NULL_BLOCK_ID = 0
+
+
+@dataclass
+class KVBlock:
+    # Index into every layer's KV tensors.
+    block_id: int
+    # Live requests holding this block.
+    ref_cnt: int = 0
+    # Set once the block is full and registered in the prefix cache.
+    block_key: BlockKey | None = None
+    # hash(block_key): what the child block chains on.
+    block_hash: int | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (1 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # block_id -> block, oldest first; holds every free and cached block.
+        self._free_queue: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[1:]
+        )
+        self._cached: dict[BlockKey, KVBlock] = {}
+        # Blocks with ref_cnt 0 but registered in the prefix map.
+        self.num_cached_blocks = 0
+        # Σ over blocks of max(0, ref_cnt - 1): lets used tokens count shared blocks once.
+        self.num_extra_refs = 0
+
+    # ---- counts -------------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_or_cached_blocks(self) -> int:
+        return len(self._free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - len(self._free_queue)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_queue) - self.num_cached_blocks
+
+    # ---- allocation ---------------------------------------------------------------------
+    def take_blocks(self, n: int) -> list[KVBlock]:
+        """Hand out n blocks with ref_cnt 1, evicting the least recently freed cached ones."""
+        if n > len(self._free_queue):
+            raise RuntimeError(f"asked for {n} blocks, {len(self._free_queue)} available")
+        taken = []
+        for _ in range(n):
+            _, block = self._free_queue.popitem(last=False)
+            if block.block_key is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take another reference on blocks found in the prefix cache."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free_queue[block.block_id]
+                self.num_cached_blocks -= 1
+            else:
+                self.num_extra_refs += 1
+            block.ref_cnt += 1
+
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference on each block, in the given order (callers pass tail first)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt > 0:
+                self.num_extra_refs -= 1
+                continue
+            self._free_queue[block.block_id] = block
+            if block.block_key is not None:
+                self.num_cached_blocks += 1
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def lookup(self, key: BlockKey) -> KVBlock | None:
+        return self._cached.get(key) if self.enable_prefix_caching else None
+
+    def register(self, block: KVBlock, key: BlockKey) -> None:
+        """Make a full, held block findable by its content."""
+        if not self.enable_prefix_caching or block.block_key is not None:
+            return
+        block.block_key = key
+        block.block_hash = hash(key)
+        # An identical block may already be cached (two requests computed the same prefix at
+        # once); keep the first one findable and let this one stay a private copy.
+        self._cached.setdefault(key, block)
+
+    def _evict(self, block: KVBlock) -> None:
+        if self._cached.get(block.block_key) is block:
+            del self._cached[block.block_key]
+        block.block_key = None
+        block.block_hash = None
+        self.num_cached_blocks -= 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (used when weights change or for tests)."""
+        for block in list(self._free_queue.values()):
+            if block.block_key is not None:
+                self._evict(block)

@@ -1,0 +1,21 @@
+"""Scheduler limits (a plain, frozen dataclass shared by the engine and the workers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Most requests running at once.
+    max_num_seqs: int
+    # Per-step token budget: prefill chunks + decode tokens.
+    max_num_batched_tokens: int
+    # Longest prompt + output, in tokens.
+    max_model_len: int
+    # Tokens per KV block.
+    block_size: int
+    # KV blocks including the null block.
+    num_blocks: int
+    # Automatic prefix caching.
+    enable_prefix_caching: bool = True

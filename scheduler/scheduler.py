@@ -1,0 +1,267 @@
+"""Continuous batching with one scheduling loop and no phases.
+
+Each request's computed-token count catches up with its token count under a per-step token
+budget: prefill chunks, resumed (recomputing) requests and decode tokens share one path.
+Running requests are served first, in admission order, then waiting ones in FCFS order. When the
+KV cache runs out, the most recently admitted running request is preempted (recompute).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from metrics.events import EventType, now
+from metrics.stats import SchedulerStats
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SampledLogprobs,
+    SchedulerOutput,
+)
+from scheduler.request import Request, RequestStatus
+from scheduler.stop_checker import check_stop
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request (scheduler -> engine)."""
+
+    # The request (its status says whether it finished).
+    request: Request
+    # Tokens appended this step (usually one; empty for a partial prefill chunk).
+    new_token_ids: list[int] = field(default_factory=list)
+    # Logprobs of those tokens when asked.
+    new_logprobs: list[SampledLogprobs] | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Finished since the last schedule(): workers are told to drop them.
+        self._finished_ids: set[str] = set()
+        # Request id -> how many of its tokens the workers know (to send only deltas).
+        self._num_tokens_sent: dict[str, int] = {}
+        self._stats = SchedulerStats()
+
+    # ---- intake -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, max_model_len is "
+                f"{self.config.max_model_len}"
+            )
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string); frees what they hold."""
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            ended.append(request)
+        return ended
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.record(EventType.FINISHED)
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if self._num_tokens_sent.pop(request.request_id, None) is not None:
+            self._finished_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        stats = self._stats = SchedulerStats()
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_any = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_any = True
+                if victim is request:
+                    break
+                new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break  # the request itself was preempted; everything after it is gone too
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._count_tokens(request, num_new)
+            cached_reqs.append(self._cached_request_data(request, new_block_ids, resumed=False))
+            index += 1
+
+        # Admitting while evicting would thrash: a step that preempted admits nothing.
+        while (
+            not preempted_any
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            request.num_computed_tokens = num_hit_tokens
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(request, num_new, hit_blocks)
+            if new_block_ids is None:
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self._admit(request, num_hit_tokens)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            self._count_tokens(request, num_new)
+            if request.request_id in self._num_tokens_sent:
+                cached_reqs.append(self._cached_request_data(request, None, resumed=True))
+            else:
+                new_reqs.append(self._new_request_data(request))
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_ids,
+        )
+        self._finished_ids = set()
+        stats.num_batch_requests = len(num_scheduled)
+        return output
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        self._record_prefix_lookup(request, num_hit_tokens)
+        if not request.was_scheduled:
+            request.num_cached_prompt_tokens = num_hit_tokens
+            request.was_scheduled = True
+        request.status = RequestStatus.RUNNING
+        request.record(EventType.SCHEDULED)
+        self.running.append(request)
+
+    def _record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        if self.config.enable_prefix_caching:
+            self._stats.prefix_cache_queries += request.num_tokens
+            self._stats.prefix_cache_hits += num_hit_tokens
+
+    def _count_tokens(self, request: Request, num_new: int) -> None:
+        # A decode step computes exactly the latest sampled token; anything else (prompt
+        # chunks, recomputation after preemption) is prefill work.
+        is_decode = (
+            num_new == 1
+            and request.num_output_tokens > 0
+            and request.num_computed_tokens == request.num_tokens - 1
+        )
+        if is_decode:
+            self._stats.decode_tokens += 1
+        else:
+            self._stats.prefill_tokens += num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Free the blocks, forget the computed tokens, go back to the head of waiting."""
+        if request.is_prefill_done:
+            self._stats.num_preemptions_decode += 1
+        else:
+            self._stats.num_preemptions_prefill += 1
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        request.record(EventType.PREEMPTED)
+        self.waiting.appendleft(request)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        token_ids = request.token_ids_range(0, request.num_tokens)
+        self._num_tokens_sent[request.request_id] = len(token_ids)
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _cached_request_data(
+        self, request: Request, new_block_ids: list[int] | None, resumed: bool
+    ) -> CachedRequestData:
+        num_sent = self._num_tokens_sent[request.request_id]
+        self._num_tokens_sent[request.request_id] = request.num_tokens
+        return CachedRequestData(
+            req_id=request.request_id,
+            resumed_from_preemption=resumed,
+            new_token_ids=request.token_ids_range(num_sent, request.num_tokens),
+            new_block_ids=self.kv.get_block_ids(request.request_id) if resumed else new_block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    # ---- results ------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Advance computed counts, append sampled tokens, finish requests that stop."""
+        updates: list[RequestUpdate] = []
+        step_ts = now()  # one NEW_TOKENS timestamp shared by every request of the step
+        finished: list[tuple[Request, RequestStatus]] = []
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            self.kv.on_tokens_computed(request)
+            sampled = runner_output.sampled_token_ids.get(request_id)
+            if not sampled:
+                updates.append(RequestUpdate(request))
+                continue
+            logprobs = runner_output.logprobs.get(request_id)
+            accepted: list[int] = []
+            status = None
+            for token_id in sampled:
+                request.output_token_ids.append(token_id)
+                accepted.append(token_id)
+                status = check_stop(request, self.config.max_model_len)
+                if status is not None:
+                    break
+            request.record(EventType.NEW_TOKENS, step_ts)
+            updates.append(RequestUpdate(request, accepted, logprobs[: len(accepted)] if logprobs else None))
+            if status is not None:
+                finished.append((request, status))
+        for request, status in finished:
+            self.running.remove(request)
+            self._finish(request, status)
+        return updates
+
+    # ---- stats --------------------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        """This step's stats with queue sizes and the KV snapshot as they are now."""
+        stats = self._stats
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
+        stats.num_waiting_preempted = sum(
+            1 for r in self.waiting if r.status == RequestStatus.PREEMPTED
+        )
+        stats.kv = self.kv.snapshot()
+        return stats
