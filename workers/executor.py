@@ -1,0 +1,54 @@
+"""The executor interface the engine drives, and the single-rank in-process implementation.
+
+The tensor-parallel executor (Ray worker actors, one per rank) implements the same interface.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.parallel_state import SINGLE_RANK
+from workers.worker import WorkerConfig, WorkerCore, WorkerLoadReport
+
+
+class ExecutorError(RuntimeError):
+    """A worker failed or did not answer: in-flight requests must end with this error."""
+
+
+class Executor(abc.ABC):
+    @abc.abstractmethod
+    def load(self) -> list[WorkerLoadReport]:
+        """Load weights on every rank; one report per rank."""
+
+    @abc.abstractmethod
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate num_blocks KV blocks on every rank (the minimum over ranks' reports)."""
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; rank 0's sampled tokens come back."""
+
+    def check_health(self) -> None:
+        """Raise ExecutorError when a worker is gone."""
+
+    def shutdown(self) -> None:
+        """Release workers and their resources."""
+
+
+class InProcessExecutor(Executor):
+    """One rank, in the calling process: no serialization, no collectives."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.worker = WorkerCore(config, SINGLE_RANK)
+
+    def load(self) -> list[WorkerLoadReport]:
+        return [self.worker.load_model()]
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        result = self.worker.execute_model(scheduler_output)
+        assert result is not None
+        return result

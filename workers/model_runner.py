@@ -1,0 +1,142 @@
+"""One rank's model execution: SchedulerOutput -> flat input batch -> forward -> sampling.
+
+Tokens are laid out decodes first (one token each), then prefill chunks, which lets attention
+batch all decodes in one call. Only rank 0 samples and returns tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.attention import AttentionMetadata, PrefillChunk
+from workers.input_batch import CachedRequestState, RequestStates
+from workers.llama import LlamaForCausalLM
+from workers.sampler import SamplingRow, sample
+
+
+@dataclass
+class StepInputs:
+    # Flat token ids of the step.
+    input_ids: torch.Tensor
+    # Their positions in their sequences.
+    positions: torch.Tensor
+    # Attention addressing.
+    meta: AttentionMetadata
+    # (request id, index of its last token in the batch) for requests that sample this step.
+    samplers: list[tuple[str, int]]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device, stop_ids: tuple[int, ...]) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        # EOS ids of the model; masked (with each request's stop_token_ids) under min_tokens.
+        self.stop_ids = stop_ids
+        self.requests = RequestStates()
+        self.is_first_rank = model.tp.is_first_rank
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        start = time.perf_counter()
+        self.requests.update(out)
+        if out.is_empty:
+            return ModelRunnerOutput() if self.is_first_rank else None
+        inputs = self.prepare_inputs(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        result = self._sample(hidden, inputs)
+        for req_id, num in out.num_scheduled_tokens.items():
+            self.requests.states[req_id].num_computed_tokens += num
+        if result is not None:
+            result.forward_time = time.perf_counter() - start
+        return result
+
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        states = self.requests.states
+        decodes, prefills = [], []
+        for req_id, num in out.num_scheduled_tokens.items():
+            (decodes if num == 1 else prefills).append((states[req_id], num))
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        samplers: list[tuple[str, int]] = []
+
+        def add_tokens(state: CachedRequestState, num: int) -> None:
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start : start + num])
+            for pos in range(start, start + num):
+                positions.append(pos)
+                slots.append(state.block_ids[pos // bs] * bs + pos % bs)
+            if start + num == len(state.token_ids):
+                samplers.append((state.req_id, len(input_ids) - 1))
+
+        for state, num in decodes:
+            add_tokens(state, num)
+        decode_tables = decode_mask = None
+        if decodes:
+            context_lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+            max_blocks = max(-(-c // bs) for c in context_lens)
+            table = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s, _ in decodes]
+            decode_tables = torch.tensor(table, dtype=torch.long, device=self.device)
+            lens = torch.tensor(context_lens, device=self.device)
+            decode_mask = (torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+
+        chunks: list[PrefillChunk] = []
+        for state, num in prefills:
+            query_start = len(input_ids)
+            add_tokens(state, num)
+            context_len = state.num_computed_tokens + num
+            mask = None
+            if state.num_computed_tokens > 0:
+                q_pos = torch.arange(state.num_computed_tokens, context_len, device=self.device)
+                mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
+            table = torch.tensor(state.block_ids[: -(-context_len // bs)], dtype=torch.long, device=self.device)
+            chunks.append(PrefillChunk(query_start, num, context_len, table, mask))
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decodes=len(decodes),
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=chunks,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta=meta,
+            samplers=samplers,
+        )
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput | None:
+        if not inputs.samplers:
+            # Every rank must still take part in the logits gather (collective).
+            self.model.compute_logits(hidden[:0])
+            return ModelRunnerOutput() if self.is_first_rank else None
+        index = torch.tensor([i for _, i in inputs.samplers], device=self.device)
+        logits = self.model.compute_logits(hidden[index])
+        if logits is None:
+            return None
+        rows = []
+        for req_id, _ in inputs.samplers:
+            state = self.requests.states[req_id]
+            rows.append(SamplingRow(
+                params=state.params,
+                prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+                output_token_ids=state.output_token_ids,
+                stop_ids=self.stop_ids + state.params.stop_token_ids,
+                generator=state.generator,
+            ))
+        token_ids, logprobs = sample(logits.float(), rows)
+        result = ModelRunnerOutput()
+        for (req_id, _), token_id, lp in zip(inputs.samplers, token_ids, logprobs):
+            result.sampled_token_ids[req_id] = [token_id]
+            if lp is not None:
+                result.logprobs[req_id] = [lp]
+        return result

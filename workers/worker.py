@@ -1,0 +1,116 @@
+"""One rank's lifecycle: device, weights shard, KV sizing, KV allocation, step execution.
+
+`WorkerCore` is plain Python; the in-process executor calls it directly and the Ray worker
+actor (tensor parallelism) wraps it, so one rank behaves the same either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.kv_cache import GiB, KVCacheSpec, allocate_kv_cache, kv_spec_for, num_blocks_for_budget
+from workers.llama import LlamaForCausalLM
+from workers.model_config import ModelConfig
+from workers.model_runner import ModelRunner
+from workers.parallel_state import TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    # HF model folder.
+    model_path: str
+    # Weights and KV dtype.
+    dtype: torch.dtype
+    # Tokens per KV block.
+    block_size: int
+    # Longest sequence (sizes the RoPE table).
+    max_model_len: int
+    # KV cache budget per rank on CPU, GiB.
+    kv_cache_memory_gib: float
+    # Fraction of GPU memory to use on GPU.
+    gpu_memory_utilization: float
+    # "cpu" or "cuda".
+    device: str
+
+
+@dataclass
+class WorkerLoadReport:
+    # This rank.
+    rank: int
+    # Bytes of parameters held by this rank.
+    param_bytes: int
+    # Seconds spent loading weights.
+    load_time: float
+    # Blocks that fit this rank's KV budget.
+    num_blocks: int
+    # Bytes of one block on this rank (all layers, K and V).
+    bytes_per_block: int
+    # The KV budget in bytes and how it was derived, for the startup log.
+    kv_budget_bytes: int
+    budget_note: str
+
+
+class WorkerCore:
+    def __init__(self, config: WorkerConfig, tp: TPGroup) -> None:
+        self.config = config
+        self.tp = tp
+        self.device = torch.device(config.device)
+        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.model: LlamaForCausalLM | None = None
+        self.runner: ModelRunner | None = None
+        self.kv_spec: KVCacheSpec | None = None
+
+    def load_model(self) -> WorkerLoadReport:
+        start = time.perf_counter()
+        cfg = self.config
+        with torch.device(self.device):
+            model = LlamaForCausalLM(self.model_config, self.tp, cfg.dtype, max_positions=cfg.max_model_len)
+        param_bytes = model.load_weights(cfg.model_path)
+        self.model = model.eval()
+        load_time = time.perf_counter() - start
+        self.kv_spec = kv_spec_for(self.model_config, cfg.block_size, model.num_local_kv_heads, cfg.dtype)
+        budget, note = self._kv_budget(param_bytes)
+        return WorkerLoadReport(
+            rank=self.tp.rank,
+            param_bytes=param_bytes,
+            load_time=load_time,
+            num_blocks=num_blocks_for_budget(self.kv_spec, budget),
+            bytes_per_block=self.kv_spec.bytes_per_block,
+            kv_budget_bytes=budget,
+            budget_note=note,
+        )
+
+    def _kv_budget(self, param_bytes: int) -> tuple[int, str]:
+        cfg = self.config
+        if self.device.type != "cuda":
+            budget = int(cfg.kv_cache_memory_gib * GiB)
+            return budget, f"kv_cache_memory_gib={cfg.kv_cache_memory_gib} (CPU)"
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        peak = self._profile_activation_peak()
+        budget = int(cfg.gpu_memory_utilization * total - param_bytes - peak)
+        note = (f"{cfg.gpu_memory_utilization:.2f} x {total / GiB:.1f} GiB - weights {param_bytes / GiB:.2f} GiB"
+                f" - activation peak {peak / GiB:.2f} GiB")
+        return max(budget, 0), note
+
+    def _profile_activation_peak(self) -> int:
+        """Peak memory of one forward at the largest batch (a dummy prefill without a cache)."""
+        from workers.profiling import profile_activation_peak
+
+        return profile_activation_peak(self.model, self.device, self.config)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        assert self.model is not None and self.kv_spec is not None
+        kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
+        stop_ids = tuple(self.model_config.eos_token_ids)
+        self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, self.device, stop_ids)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        assert self.runner is not None, "init_kv_cache must run before execute_model"
+        return self.runner.execute_model(scheduler_output)
