@@ -110,11 +110,14 @@ class BlockPool:
         """Make a full, held block findable by its content."""
         if not self.enable_prefix_caching or block.block_key is not None:
             return
+        # An identical block may already be cached (two requests computed the same prefix at
+        # once); keep the first one findable and leave this one an unregistered private copy, so
+        # that once released it is free, not counted as a cached block nobody can ever hit.
+        if key in self._cached:
+            return
         block.block_key = key
         block.block_hash = hash(key)
-        # An identical block may already be cached (two requests computed the same prefix at
-        # once); keep the first one findable and let this one stay a private copy.
-        self._cached.setdefault(key, block)
+        self._cached[key] = block
 
     def _evict(self, block: KVBlock) -> None:
         if self._cached.get(block.block_key) is block:
