@@ -1,0 +1,63 @@
+"""Incremental detokenization that never emits broken UTF-8 and holds back possible stop strings."""
+
+from __future__ import annotations
+
+from scheduler.sampling_params import SamplingParams
+
+# Prompt tokens decoded with the output so that the first output token keeps its leading space
+# (SentencePiece tokenizers drop it at the start of a decode).
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        # The whole output text so far (stop-string truncation applied).
+        self.text = ""
+        self._num_released = 0
+        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.stopped_by_string = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Append tokens; sets `stopped_by_string` when a stop string appears in the text."""
+        if self.stopped_by_string:
+            return
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        # A trailing U+FFFD means a multi-byte character is still incomplete: wait for more.
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        search_from = max(0, len(self.text) - self._max_stop_len + 1)
+        self.text += delta
+        if self.params.stop:
+            self._check_stop_strings(search_from)
+
+    def _check_stop_strings(self, search_from: int) -> None:
+        first = -1
+        for stop in self.params.stop:
+            idx = self.text.find(stop, search_from)
+            if idx != -1 and (first == -1 or idx < first):
+                first = idx
+        if first != -1:
+            self.text = self.text[:first]  # OpenAI excludes the stop string itself
+            self.stopped_by_string = True
+
+    def take_new_text(self, finished: bool) -> str:
+        """Text not yet released; the tail that could still start a stop string is held back."""
+        end = len(self.text)
+        if not finished and not self.stopped_by_string and self._max_stop_len > 1:
+            end = max(self._num_released, end - (self._max_stop_len - 1))
+        new_text = self.text[self._num_released : end]
+        self._num_released = end
+        return new_text
