@@ -60,6 +60,18 @@ class Scheduler:
                 f"the prompt has {request.num_prompt_tokens} tokens, max_model_len is "
                 f"{self.config.max_model_len}"
             )
+        # At its longest the request holds the K/V of all its tokens but the last sampled one.
+        # One that needs more blocks than the whole cache would preempt itself forever.
+        max_len = min(
+            request.num_prompt_tokens + max(request.sampling_params.max_tokens, 1),
+            self.config.max_model_len,
+        )
+        num_blocks_needed = -(-(max_len - 1) // self.config.block_size)
+        if num_blocks_needed > self.kv.pool.num_usable_blocks:
+            raise ValueError(
+                f"the request can reach {max_len} tokens, which needs {num_blocks_needed} KV "
+                f"blocks; the KV cache has {self.kv.pool.num_usable_blocks}"
+            )
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
