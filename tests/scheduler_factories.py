@@ -350,6 +350,10 @@ def step(scheduler: Scheduler, runner: FakeRunner, result: RunResult | None = No
     out = scheduler.schedule()
     check_invariants(scheduler, between_steps=False)
     runner_output = runner.execute(out)
+    for req_id in out.num_scheduled_tokens:
+        # From deltas alone, the workers know exactly the scheduler's tokens for the request.
+        request = scheduler.requests[req_id]
+        assert runner.states[req_id].token_ids == request.prompt_token_ids + request.output_token_ids
     updates = scheduler.update_from_output(out, runner_output)
     stats = scheduler.make_stats()
     check_invariants(scheduler, between_steps=True)
