@@ -122,8 +122,9 @@ class FakeRunner:
         # Request id -> output tokens to sample, in order (overrides token_fn while it lasts).
         self.scripts = dict(scripts or {})
         self.states: dict[str, WorkerRequestState] = {}
-        # Simulated KV cache: block id -> the token id stored in each slot (None = never written).
-        self.kv: dict[int, list[int | None]] = {}
+        # Simulated KV cache: block id -> (position, token id) stored in each slot (None = never
+        # written). K/V depend on the position too (RoPE): a block reused elsewhere is wrong.
+        self.kv: dict[int, list[tuple[int, int] | None]] = {}
         self.num_steps = 0
 
     @classmethod
@@ -194,7 +195,7 @@ class FakeRunner:
             assert len(set(state.block_ids)) == len(state.block_ids), f"{req_id}: block twice in table"
             for pos in range(state.num_computed_tokens, end):
                 block = self.kv.setdefault(state.block_ids[pos // bs], [None] * bs)
-                block[pos % bs] = state.token_ids[pos]
+                block[pos % bs] = (pos, state.token_ids[pos])
         # Then attend: every context token must be in the request's own blocks.
         result = ModelRunnerOutput()
         for req_id, num in out.num_scheduled_tokens.items():
@@ -202,8 +203,9 @@ class FakeRunner:
             end = state.num_computed_tokens + num
             for pos in range(end):
                 stored = self.kv.get(state.block_ids[pos // bs], [None] * bs)[pos % bs]
-                assert stored == state.token_ids[pos], (
-                    f"{req_id}: KV slot of token {pos} holds {stored}, expected {state.token_ids[pos]}"
+                assert stored == (pos, state.token_ids[pos]), (
+                    f"{req_id}: KV slot of token {pos} holds {stored}, "
+                    f"expected {(pos, state.token_ids[pos])}"
                 )
             state.num_computed_tokens = end
             if end == len(state.token_ids):

@@ -84,6 +84,8 @@ def test_hits_follow_the_parent_chain():
     # Same first block, different second: one block.
     assert kv.get_computed_blocks(make_request(a + c + [1]))[1] == B
     assert kv.get_computed_blocks(make_request(a + b + [2]))[1] == 2 * B
+    # b's tokens at the start of a prompt are not the block cached after a (other positions).
+    assert kv.get_computed_blocks(make_request(b + a + [1]))[1] == 0
 
 
 def test_partial_blocks_are_never_cached():
@@ -215,3 +217,23 @@ def test_prefix_caching_off():
     kv.free(b)
     snap = kv.snapshot()
     assert (snap.used_blocks, snap.cached_blocks, snap.free_blocks) == (0, 0, 16)
+
+
+def test_blocks_holding_prompt_and_output_tokens_are_keyed_on_all_of_them():
+    # A 6-token prompt: block 1 holds prompt tokens 4, 5 and output tokens 0, 1.
+    kv = make_kv()
+    prompt = make_prompt(6)
+    a = make_request(prompt)
+    run_prefill(kv, a)
+    for token in (500, 501):  # decode two tokens: block 1 becomes full
+        a.output_token_ids.append(token)
+        assert kv.allocate_slots(a, 1) is not None
+        compute(kv, a, 1)
+    # A resumed request with the same prompt and a different 2nd output token: block 0 only.
+    b = make_request(prompt)
+    b.output_token_ids.extend([500, 999, 502])
+    assert kv.get_computed_blocks(b)[1] == B
+    # The same outputs: both blocks.
+    c = make_request(prompt)
+    c.output_token_ids.extend([500, 501, 502])
+    assert kv.get_computed_blocks(c)[1] == 2 * B

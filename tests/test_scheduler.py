@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from scheduler.outputs import ModelRunnerOutput, SampledLogprobs
 from scheduler.request import RequestStatus
 from scheduler_factories import (
     EOS,
@@ -311,7 +312,46 @@ def test_request_larger_than_the_whole_cache_is_refused_not_livelocked():
     assert all(r.num_output_tokens == 6 for r in others)
 
 
+def test_several_tokens_in_one_step_stop_at_the_first_stop():
+    sched = make_scheduler()
+    stop_req, long_req = add_requests(sched, make_request(4, max_tokens=10), make_request(4, max_tokens=2))
+    out = sched.schedule()
+    logprobs = [SampledLogprobs((t, -0.5), [(t, -0.5)]) for t in (600, EOS, 601)]
+    runner_output = ModelRunnerOutput(
+        sampled_token_ids={stop_req.request_id: [600, EOS, 601], long_req.request_id: [600, 601, 602]},
+        logprobs={stop_req.request_id: logprobs},
+    )
+    updates = {u.request.request_id: u for u in sched.update_from_output(out, runner_output)}
+    assert updates[stop_req.request_id].new_token_ids == stop_req.output_token_ids == [600, EOS]
+    assert updates[stop_req.request_id].new_logprobs == logprobs[:2]
+    assert stop_req.status == RequestStatus.FINISHED_STOPPED
+    assert updates[long_req.request_id].new_token_ids == long_req.output_token_ids == [600, 601]
+    assert long_req.status == RequestStatus.FINISHED_LENGTH
+    assert not sched.has_unfinished_requests()
+    check_invariants(sched)
+
+
 # ---- prefix cache ------------------------------------------------------------------------------
+
+
+def test_same_tokens_at_another_position_do_not_hit():
+    B = 4
+    sched = make_scheduler(block_size=B)
+    runner = FakeRunner.for_scheduler(sched)
+    a, b = make_prompt(B), make_prompt(B)
+    add_requests(sched, make_request(a * 3 + [7], max_tokens=1), make_request(a + b + [7], max_tokens=1))
+    run_until_done(sched, runner)
+    # Only whole chains hit: a*4 reuses the three blocks of a*3 (each at its own position);
+    # b + a reuses nothing although a block of a tokens is cached.
+    more = make_request(a * 4 + [8], max_tokens=1)
+    other = make_request(b + a + [8], max_tokens=1)
+    add_requests(sched, more, other)
+    rec = step(sched, runner)
+    hits = {n.req_id: n.num_computed_tokens for n in rec.output.scheduled_new_reqs}
+    assert hits == {more.request_id: 3 * B, other.request_id: 0}
+    run_until_done(sched, runner)
+
+
 
 
 @pytest.mark.parametrize("prompt_len", [8, 9, 13, 16])
