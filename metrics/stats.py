@@ -63,7 +63,8 @@ class SchedulerStats:
     num_preemptions_prefill: int = 0
     # Preemptions this step whose victim was decoding.
     num_preemptions_decode: int = 0
-    # Prefix-cache lookups this step, in tokens (prompt tokens looked up on admission).
+    # Prefix-cache lookups this step, in tokens: every token of each admitted request (prompt,
+    # plus kept outputs for a resumed one), the same base the hits are counted on.
     prefix_cache_queries: int = 0
     # Of those, tokens found in the cache.
     prefix_cache_hits: int = 0
