@@ -1,0 +1,80 @@
+"""The Ray Serve application: one ingress replica = one AsyncEngine + the FastAPI app over it.
+
+    serve run deployments.app:app                                  # defaults (SmolLM2)
+    serve run deployments.app:build_app model=/path tensor_parallel_size=2
+    serve run serve_config.yaml
+
+The replica builds its engine in its constructor, then Serve asks `__serve_build_asgi_app__`
+for the HTTP app (Serve's late-bound `@serve.ingress()`), whose lifespan starts the engine loop
+on the replica's event loop. Multiple replicas each own their own engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve import Application
+
+from deployments.api_server import make_api
+from deployments.async_engine import AsyncEngine
+from deployments.config import TpserveConfig
+
+logger = logging.getLogger(__name__)
+
+# Name of the Serve deployment (and the default application name of the CLI and tests).
+DEPLOYMENT_NAME = "tpserve"
+
+
+def deployment_options(config: TpserveConfig) -> dict[str, Any]:
+    """Ray Serve options of the ingress deployment, computed from the config.
+
+    The tensor-parallel code extends this with `ray_actor_options` and the placement group
+    (`placement_group_bundles`, `placement_group_strategy`: one bundle per rank, the replica's
+    own CPU merged into bundle 0); everything about where a replica runs belongs here.
+    """
+    options: dict[str, Any] = {"max_ongoing_requests": config.max_ongoing_requests}
+    if config.autoscaling_config is not None:
+        # Serve autoscaling on ongoing requests; num_replicas must then be left unset (or "auto").
+        options["autoscaling_config"] = config.autoscaling_config
+    else:
+        options["num_replicas"] = config.num_replicas
+    return options
+
+
+@serve.deployment(name=DEPLOYMENT_NAME)
+@serve.ingress()
+class TpserveDeployment:
+    """An ingress replica: owns one engine and serves the OpenAI API over it."""
+
+    async def __init__(self, config: TpserveConfig) -> None:
+        # Loading the tokenizer and weights takes seconds: off the event loop.
+        self.engine = await asyncio.to_thread(AsyncEngine, config)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return make_api(self.engine)
+
+    def check_health(self) -> None:
+        # Serve restarts a replica whose engine (or one of its workers) died.
+        if not self.engine.is_healthy():
+            raise RuntimeError("the tpserve engine is not healthy")
+
+    async def engine_state(self) -> dict[str, int]:
+        """Counters for tests and operators, through a Serve handle (no HTTP route)."""
+        return {
+            "num_unfinished_requests": self.engine.num_unfinished_requests,
+            "num_used_kv_blocks": self.engine.num_used_kv_blocks,
+        }
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Serve application builder: validates `args` (fails naming the bad field) and binds."""
+    config = TpserveConfig.from_args(args)
+    return TpserveDeployment.options(**deployment_options(config)).bind(config)
+
+
+# `serve run deployments.app:app`: the defaults (the embedded SmolLM2 model).
+app = build_app({})

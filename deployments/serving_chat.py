@@ -1,0 +1,113 @@
+"""POST /v1/chat/completions: messages -> chat template -> engine -> `chat.completion` body or chunks.
+
+Streaming sends, per choice, a first chunk with `delta: {"role": "assistant", "content": ""}`,
+then `delta: {"content": ...}` chunks as text is released, then `delta: {}` with `finish_reason`
+(and `metrics` when asked), then the usage chunk when asked, then `data: [DONE]`, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from deployments.choice_streams import EngineStreamResponse
+from deployments.errors import bad_request
+from deployments.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from deployments.protocol import ChatCompletionRequest
+from deployments.serving_common import ChoiceProgress, ResponseRun, check_model, resolve_max_tokens
+
+logger = logging.getLogger(__name__)
+
+
+def _token_entry(token: TokenLogprob) -> dict[str, Any]:
+    return {"token": token.token, "logprob": token.logprob, "bytes": list(token.token.encode("utf-8"))}
+
+
+def chat_logprob_entries(positions: list[PositionLogprobs]) -> list[dict[str, Any]]:
+    """OpenAI chat logprobs `content` entries: token, logprob, bytes, top_logprobs."""
+    return [
+        {**_token_entry(pos.sampled), "top_logprobs": [_token_entry(t) for t in pos.top]}
+        for pos in positions
+    ]
+
+
+class ChatServing:
+    """Serves /v1/chat/completions on one AsyncEngine."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def _render_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        """Token ids of the conversation rendered with the model's chat template."""
+        try:
+            rendered = self.engine.tokenizer.apply_chat_template(
+                request.template_messages(),
+                add_generation_prompt=request.add_generation_prompt,
+                tokenize=True,
+            )
+        except Exception as exc:  # a template's own checks (roles must alternate, ...)
+            raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
+        # transformers >= 5 returns a BatchEncoding here, older versions a plain list.
+        if isinstance(rendered, Mapping):
+            rendered = rendered["input_ids"]
+        return list(rendered)
+
+    async def create(self, request: ChatCompletionRequest, arrival_ts: float) -> JSONResponse | EngineStreamResponse:
+        check_model(request.model, self.engine.model_name)
+        if request.ignored_fields:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
+        token_ids = self._render_prompt(request)
+        max_tokens = resolve_max_tokens(
+            request.requested_max_tokens(), None, len(token_ids), self.engine.max_model_len, "messages"
+        )
+        params = [request.to_sampling_params(max_tokens, i) for i in range(request.n)]
+        object_name = "chat.completion.chunk" if request.stream else "chat.completion"
+        run = ResponseRun.create(self.engine, request, "chatcmpl", object_name, [token_ids], [params], arrival_ts)
+
+        def logprobs_of(out: RequestOutput) -> list[dict[str, Any]] | None:
+            return chat_logprob_entries(out.new_logprobs) if request.logprobs and out.new_logprobs else None
+
+        if request.stream:
+
+            def render_delta(choice: ChoiceProgress, out: RequestOutput) -> dict[str, Any] | None:
+                entries = logprobs_of(out)
+                if not out.new_text and not entries:
+                    return None
+                return {
+                    "index": choice.spec.index,
+                    "delta": {"content": out.new_text} if out.new_text else {},
+                    "logprobs": {"content": entries, "refusal": None} if entries else None,
+                    "finish_reason": None,
+                }
+
+            def render_finish(choice: ChoiceProgress) -> dict[str, Any]:
+                return {"index": choice.spec.index, "delta": {}, "logprobs": None, "finish_reason": choice.finish_reason}
+
+            # The role comes first, once per choice, before any content (OpenAI framing).
+            opening = [
+                run.chunk(c, {"index": c.spec.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None})
+                for c in run.choices
+            ]
+            return await run.stream_response(render_delta, render_finish, opening)
+
+        entries_by_choice: list[list[dict[str, Any]]] = [[] for _ in run.choices]
+
+        def on_output(choice: ChoiceProgress, out: RequestOutput) -> None:
+            entries_by_choice[choice.spec.index].extend(logprobs_of(out) or [])
+
+        await run.collect(on_output)
+        return run.whole_response(
+            [
+                {
+                    "index": choice.spec.index,
+                    "message": {"role": "assistant", "content": choice.text, "refusal": None},
+                    "logprobs": {"content": entries, "refusal": None} if request.logprobs else None,
+                    "finish_reason": choice.finish_reason,
+                }
+                for choice, entries in zip(run.choices, entries_by_choice)
+            ]
+        )

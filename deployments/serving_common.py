@@ -1,0 +1,238 @@
+"""What completions and chat share: checks, ids, SSE framing, usage, and `ResponseRun`, the
+life of one response (collect for a JSON body, or stream chunks), parameterized by the endpoint's
+own rendering of choices."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.background import BackgroundTask
+
+from deployments.choice_streams import ChoiceSpec, ChoiceStreams, EngineStreamResponse, make_choice_specs
+from deployments.errors import APIError, bad_request, model_not_found
+from deployments.outputs import RequestOutput
+from deployments.protocol import SamplingRequest
+from scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def created_ts() -> int:
+    # Wall clock only for the `created` field (METRICS.md: every interval uses the monotonic clock).
+    return int(time.time())
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise model_not_found(requested)
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    # An out-of-range id would crash the model's embedding lookup and with it the engine.
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", param)
+
+
+def resolve_max_tokens(
+    requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int, param: str
+) -> int:
+    """The output cap of one prompt; 400 when prompt + output can never fit the context."""
+    if num_prompt_tokens == 0:
+        raise bad_request("the prompt is empty (zero tokens)", param)
+    room = max_model_len - num_prompt_tokens
+    max_tokens = requested if requested is not None else (default if default is not None else room)
+    if max_tokens > room:
+        raise bad_request(
+            f"this request has {num_prompt_tokens} prompt tokens and asks for max_tokens="
+            f"{max_tokens}: {num_prompt_tokens + max_tokens} tokens, over the model's context "
+            f"length max_model_len={max_model_len}; shorten the prompt or lower max_tokens",
+            param if requested is None else "max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+@dataclass
+class ChoiceProgress:
+    """What the response knows about one choice so far (both endpoints)."""
+
+    # The choice it tracks.
+    spec: ChoiceSpec
+    # Text released so far.
+    text_parts: list[str] = field(default_factory=list)
+    # Output tokens so far (the engine's count, stop-string truncation applied at the end).
+    num_output_tokens: int = 0
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int = 0
+    # "stop" | "length" once finished.
+    finish_reason: str | None = None
+    # Per-request metrics object (issue 5), when asked for and finished.
+    metrics: dict[str, Any] | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        if out.new_text:
+            self.text_parts.append(out.new_text)
+        self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+def make_usage(choices: Sequence[ChoiceProgress]) -> dict[str, Any]:
+    """OpenAI usage: each prompt counted once however many choices it has."""
+    prompt_tokens = sum(len(c.spec.prompt_token_ids) for c in choices if c.spec.first_of_prompt)
+    cached_tokens = sum(c.num_cached_tokens for c in choices if c.spec.first_of_prompt)
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+# Renders one output of a choice as the body of a chunk's choice, or None when there is nothing to send.
+DeltaRenderer = Callable[["ChoiceProgress", RequestOutput], dict[str, Any] | None]
+# Renders the closing chunk's choice body of a finished choice (carries finish_reason).
+FinishRenderer = Callable[["ChoiceProgress"], dict[str, Any]]
+
+
+@dataclass
+class ResponseRun:
+    """One OpenAI response in progress: its choices, their engine requests, what was asked."""
+
+    # The validated request body.
+    request: SamplingRequest
+    # The engine (for metrics and first-token marks).
+    engine: Any
+    # Fields every body and chunk starts with: id, object, created, model.
+    header: dict[str, Any]
+    # The engine requests behind the choices.
+    streams: ChoiceStreams
+    # What is known of each choice so far, by choice index.
+    choices: list[ChoiceProgress]
+    # Attach the per-request `metrics` object (server config or the body asked for it).
+    want_metrics: bool
+
+    @classmethod
+    def create(
+        cls,
+        engine: Any,
+        request: SamplingRequest,
+        id_prefix: str,
+        object_name: str,
+        prompts: Sequence[list[int]],
+        params: Sequence[Sequence[SamplingParams]],
+        arrival_ts: float,
+    ) -> "ResponseRun":
+        response_id = random_id(id_prefix)
+        specs = make_choice_specs(response_id, prompts, params)
+        header = {"id": response_id, "object": object_name, "created": created_ts(), "model": engine.model_name}
+        return cls(
+            request=request,
+            engine=engine,
+            header=header,
+            streams=ChoiceStreams(engine, specs, arrival_ts),
+            choices=[ChoiceProgress(spec) for spec in specs],
+            want_metrics=engine.wants_request_metrics(request.asks_for_metrics),
+        )
+
+    def _record(self, index: int, out: RequestOutput) -> ChoiceProgress:
+        choice = self.choices[index]
+        choice.add(out)
+        if out.finished and self.want_metrics:
+            choice.metrics = self.engine.request_metrics(out.request_id)
+        return choice
+
+    # ---- a whole JSON body ----------------------------------------------------------------
+
+    async def collect(self, on_output: Callable[[ChoiceProgress, RequestOutput], None]) -> None:
+        """Run every choice to its end; `on_output` sees each output (logprobs accumulate there)."""
+        try:
+            async for index, out in self.streams.outputs():
+                on_output(self._record(index, out), out)
+        except BaseException:
+            self.streams.finish()
+            raise
+
+    def whole_response(self, choice_bodies: list[dict[str, Any]]) -> JSONResponse:
+        for choice, body in zip(self.choices, choice_bodies):
+            if choice.metrics is not None:
+                body["metrics"] = choice.metrics
+            if choice.num_output_tokens:
+                # The body carries every token: the first one is handed over with it.
+                self.streams.mark_first_token_sent(choice.spec.index)
+        body = {**self.header, "choices": choice_bodies, "usage": make_usage(self.choices)}
+        if self.want_metrics and len(self.choices) == 1:
+            body["metrics"] = self.choices[0].metrics
+        # A background task runs once the body has been handed over: that is RESPONDED.
+        return JSONResponse(body, background=BackgroundTask(self.streams.finish))
+
+    # ---- server-sent events ---------------------------------------------------------------
+
+    async def stream_response(
+        self, render_delta: DeltaRenderer, render_finish: FinishRenderer, opening: list[dict[str, Any]] = ()
+    ) -> EngineStreamResponse:
+        """Admit every choice first (errors become a status code), then stream."""
+        await self.streams.start()
+        return EngineStreamResponse(self._events(render_delta, render_finish, list(opening)), self.streams)
+
+    def chunk(self, choice: ChoiceProgress, choice_body: dict[str, Any]) -> dict[str, Any]:
+        event = {**self.header, "choices": [choice_body]}
+        if self.request.continuous_usage:
+            event["usage"] = make_usage([choice])
+        elif self.request.include_usage:
+            # OpenAI: with include_usage, every chunk but the last has "usage": null.
+            event["usage"] = None
+        return event
+
+    async def _events(
+        self, render_delta: DeltaRenderer, render_finish: FinishRenderer, opening: list[dict[str, Any]]
+    ) -> AsyncIterator[str]:
+        try:
+            for event in opening:
+                yield sse_event(event)
+            async for index, out in self.streams.outputs():
+                choice = self._record(index, out)
+                delta = render_delta(choice, out)
+                if delta is not None:
+                    yield sse_event(self.chunk(choice, delta))
+                    if out.new_token_ids:
+                        # We resume here once the chunk has been handed over: the first token is out.
+                        self.streams.mark_first_token_sent(index)
+                if out.finished:
+                    final = self.chunk(choice, render_finish(choice))
+                    if choice.metrics is not None:
+                        final["metrics"] = choice.metrics
+                    yield sse_event(final)
+            if self.request.include_usage:
+                yield sse_event({**self.header, "choices": [], "usage": make_usage(self.choices)})
+            yield SSE_DONE
+        except APIError as err:
+            # Headers are gone already: report the failure in-band, as OpenAI and vLLM do.
+            yield sse_event(err.body())
+            yield SSE_DONE
+        finally:
+            self.streams.finish()

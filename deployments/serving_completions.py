@@ -1,0 +1,141 @@
+"""POST /v1/completions: prompts -> engine requests -> OpenAI `text_completion` body or chunks.
+
+Streaming sends, per choice, a chunk for each engine output that released text or logprobs, then a
+chunk with empty text carrying `finish_reason` (and `metrics` when asked), then the usage chunk
+(`choices: []`) when `stream_options.include_usage`, then `data: [DONE]`. With `echo`, the
+prompt text leads the choice's text (its first chunk when streaming).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from deployments.choice_streams import EngineStreamResponse
+from deployments.outputs import PositionLogprobs, RequestOutput
+from deployments.protocol import CompletionRequest
+from deployments.serving_common import (
+    ChoiceProgress,
+    ResponseRun,
+    check_model,
+    check_token_ids,
+    resolve_max_tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's default output cap for the legacy completions endpoint.
+DEFAULT_MAX_TOKENS = 16
+
+
+class CompletionLogprobs:
+    """The legacy `logprobs` object of one choice: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, start_offset: int) -> None:
+        # Character offset of the next token in the choice's text (echoed prompt included).
+        self._offset = start_offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+
+    def add(self, positions: list[PositionLogprobs]) -> dict[str, list]:
+        """Append positions; return the same four fields for just these (a streaming chunk's)."""
+        delta: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for pos in positions:
+            # OpenAI: the top N plus the sampled token, so up to N + 1 entries.
+            top = {t.token: t.logprob for t in pos.top}
+            top.setdefault(pos.sampled.token, pos.sampled.logprob)
+            delta["tokens"].append(pos.sampled.token)
+            delta["token_logprobs"].append(pos.sampled.logprob)
+            delta["top_logprobs"].append(top)
+            delta["text_offset"].append(self._offset)
+            self._offset += len(pos.sampled.token)
+        for key, values in delta.items():
+            getattr(self, key).extend(values)
+        return delta
+
+    def as_dict(self) -> dict[str, list]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+class CompletionServing:
+    """Serves /v1/completions on one AsyncEngine."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def _tokenize_prompts(self, request: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        """Token ids of each prompt, and its text (for echo)."""
+        tokenizer = self.engine.tokenizer
+        token_lists, texts = [], []
+        for prompt in request.prompt_list():
+            if isinstance(prompt, str):
+                token_lists.append(list(tokenizer.encode(prompt)))
+                texts.append(prompt)
+            else:
+                check_token_ids(prompt, len(tokenizer), "prompt")
+                token_lists.append(list(prompt))
+                texts.append(tokenizer.decode(prompt) if request.echo else "")
+        return token_lists, texts
+
+    async def create(self, request: CompletionRequest, arrival_ts: float) -> JSONResponse | EngineStreamResponse:
+        check_model(request.model, self.engine.model_name)
+        if request.ignored_fields:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
+        prompts, prompt_texts = self._tokenize_prompts(request)
+        params = []
+        for token_ids in prompts:
+            max_tokens = resolve_max_tokens(
+                request.max_tokens, DEFAULT_MAX_TOKENS, len(token_ids), self.engine.max_model_len, "prompt"
+            )
+            params.append([request.to_sampling_params(max_tokens, i) for i in range(request.n)])
+        run = ResponseRun.create(self.engine, request, "cmpl", "text_completion", prompts, params, arrival_ts)
+        # Per choice: the echoed prompt text ("" without echo), and its logprobs when asked.
+        echoes = [prompt_texts[c.spec.prompt_index] if request.echo else "" for c in run.choices]
+        logprobs = [CompletionLogprobs(len(e)) if request.logprobs is not None else None for e in echoes]
+
+        if request.stream:
+            echoed: set[int] = set()
+
+            def render_delta(choice: ChoiceProgress, out: RequestOutput) -> dict[str, Any] | None:
+                index = choice.spec.index
+                text = out.new_text
+                if index not in echoed:
+                    echoed.add(index)
+                    text = echoes[index] + text
+                chosen = logprobs[index]
+                lp = chosen.add(out.new_logprobs) if chosen is not None and out.new_logprobs else None
+                if not text and not lp:
+                    return None
+                return {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+
+            def render_finish(choice: ChoiceProgress) -> dict[str, Any]:
+                return {"index": choice.spec.index, "text": "", "logprobs": None, "finish_reason": choice.finish_reason}
+
+            return await run.stream_response(render_delta, render_finish)
+
+        def on_output(choice: ChoiceProgress, out: RequestOutput) -> None:
+            chosen = logprobs[choice.spec.index]
+            if chosen is not None and out.new_logprobs:
+                chosen.add(out.new_logprobs)
+
+        await run.collect(on_output)
+        return run.whole_response(
+            [
+                {
+                    "index": choice.spec.index,
+                    "text": echo + choice.text,
+                    "logprobs": lp.as_dict() if lp is not None else None,
+                    "finish_reason": choice.finish_reason,
+                }
+                for choice, echo, lp in zip(run.choices, echoes, logprobs)
+            ]
+        )

@@ -1,0 +1,110 @@
+"""Shared fixtures. `tpserve_server`: ONE Ray Serve deployment of tpserve for the whole test run.
+
+Only tests that ask for it start Ray; everything else stays pure and fast. The deployment runs
+the real engine on the default model (SmolLM2-135M) with a small KV cache. Engine state that
+has no HTTP route (unfinished requests, used KV blocks) is read through a Serve handle.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+# Small settings: quick to load, 32 concurrent sequences fit.
+SERVE_TEST_CONFIG: dict[str, Any] = {
+    "kv_cache_memory_gib": 0.25,
+    "max_num_seqs": 32,
+    "max_model_len": 1024,
+}
+SERVE_APP_NAME = "tpserve"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> None:
+    """Bounded polling (the only waiting tests do): fail with `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(poll_s)
+
+
+@dataclass
+class TpserveServer:
+    """One deployed tpserve application, as tests see it."""
+
+    # http://127.0.0.1:<port>[/route prefix]; the OpenAI API is under /v1.
+    base_url: str
+    # The served model name (what clients put in `model`).
+    model_name: str
+    # Serve handle of the ingress deployment (engine_state() and friends).
+    handle: Any
+
+    def engine_state(self) -> dict[str, int]:
+        return self.handle.engine_state.remote().result(timeout_s=30)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Until no request is unfinished and no KV block is used (aborts and frees done)."""
+
+        def idle() -> bool:
+            state = self.engine_state()
+            return state["num_unfinished_requests"] == 0 and state["num_used_kv_blocks"] == 0
+
+        wait_until(idle, timeout_s, "the engine to be idle with zero used KV blocks")
+
+
+def deploy(config: dict[str, Any], app_name: str, route_prefix: str, http_root: str) -> TpserveServer:
+    """Deploy a tpserve application on the running Serve instance and wait until it serves."""
+    import httpx
+    from ray import serve
+
+    from deployments.app import build_app
+
+    handle = serve.run(build_app(config), name=app_name, route_prefix=route_prefix)
+    base_url = http_root + route_prefix.rstrip("/")
+    model_name = httpx.get(f"{base_url}/v1/models", timeout=60).json()["data"][0]["id"]
+    return TpserveServer(base_url=base_url, model_name=model_name, handle=handle)
+
+
+@pytest.fixture(scope="session")
+def poll() -> Callable[..., None]:
+    """`poll(predicate, timeout_s, what)`: bounded polling for tests."""
+    return wait_until
+
+
+@pytest.fixture(scope="session")
+def deploy_app(tpserve_server) -> Callable[[dict[str, Any], str, str], TpserveServer]:
+    """`deploy_app(config, app_name, route_prefix)`: another tpserve app on the same Serve
+    instance (e.g. with a tiny waiting queue); `serve.delete(app_name)` removes it."""
+    http_root = tpserve_server.base_url
+
+    def _deploy(config: dict[str, Any], app_name: str, route_prefix: str) -> TpserveServer:
+        return deploy(config, app_name, route_prefix, http_root)
+
+    return _deploy
+
+
+@pytest.fixture(scope="session")
+def tpserve_server() -> Iterator[TpserveServer]:
+    import ray
+    from ray import serve
+
+    # Logical CPUs: the replica reserves one; spare ones for an extra test app.
+    ray.init(num_cpus=4, include_dashboard=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield deploy(SERVE_TEST_CONFIG, SERVE_APP_NAME, "/", f"http://127.0.0.1:{port}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
