@@ -124,7 +124,8 @@ class ChoiceStreams:
                 pending.discard(index)
                 self._buffered.append(item)
         except BaseException:
-            self.cancel()
+            # No response will carry this request: end the engine side now.
+            self.finish()
             raise
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
