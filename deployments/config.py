@@ -58,6 +58,9 @@ class TpserveConfig(BaseModel):
     log_stats_interval_s: float = Field(default=5.0, gt=0)
     # A step that takes longer than this fails the engine (dead or hung worker).
     step_timeout_s: float = Field(default=120.0, gt=0)
+    # torch intra-op threads of a CPU rank; None = every core this process may use. (Ray sets
+    # OMP_NUM_THREADS=1 in replicas, which would leave a CPU engine on one core.)
+    cpu_threads: int | None = Field(default=None, gt=0)
     # Run decode eagerly on GPU instead of replaying CUDA graphs.
     enforce_eager: bool = False
     # Largest decode batch captured in a CUDA graph (capped by max_num_seqs).

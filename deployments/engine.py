@@ -66,6 +66,12 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
     )
 
 
+def set_cpu_threads(cpu_threads: int | None) -> None:
+    import os
+
+    torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
+
+
 def make_executor(config: TpserveConfig, worker_config: WorkerConfig) -> Executor:
     if config.tensor_parallel_size == 1:
         from workers.executor import InProcessExecutor
@@ -82,6 +88,8 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.config = config
+        if config.tensor_parallel_size == 1:
+            set_cpu_threads(config.cpu_threads)
         model_path = resolve_model_path(config)
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -41,6 +41,9 @@ class RequestRecord:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
+    # The frontend reported RESPONDED before the engine reported FINISHED (a disconnect: the
+    # abort is applied at the next step); finalize as soon as FINISHED arrives.
+    responded: bool = False
 
 
 class EngineMetrics:
@@ -89,7 +92,7 @@ class EngineMetrics:
             record.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 record.finish_reason = out.finish_reason
-                if self.frontend_finalizes:
+                if self.frontend_finalizes and not record.responded:
                     self._await_response(out.request_id)
                 else:
                     self.finalize(out.request_id)
@@ -109,9 +112,13 @@ class EngineMetrics:
     def finalize(self, request_id: str) -> None:
         """The request is over on both sides: record its finished stats and keep its timeline."""
         self._awaiting_response.pop(request_id, None)
-        record = self._records.pop(request_id, None)
-        if record is None or record.finish_reason is None:
+        record = self._records.get(request_id)
+        if record is None:
             return
+        if record.finish_reason is None:
+            record.responded = True  # FINISHED will follow (abort pending); finish then
+            return
+        del self._records[request_id]
         stats = make_finished_stats(record.events, record.finish_reason, record.num_prompt_tokens,
                                     record.num_output_tokens, record.num_cached_tokens)
         for stat_logger in self.loggers:
