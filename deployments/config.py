@@ -22,7 +22,7 @@ class TpserveConfig(BaseModel):
     model: str | None = None
     # Name clients use in the `model` field; defaults to the folder name of `model`.
     served_model_name: str | None = None
-    # Weights/activation dtype: "auto" = float32 on CPU, bfloat16 on GPU.
+    # Weights/activation dtype: "auto" = bfloat16 on GPU and on CPUs with AVX512-BF16/AMX, else float32.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Longest prompt + output in tokens; None = the model's max_position_embeddings.
     max_model_len: int | None = Field(default=None, gt=0)

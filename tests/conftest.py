@@ -17,6 +17,8 @@ import pytest
 
 # Small settings: quick to load, 32 concurrent sequences fit.
 SERVE_TEST_CONFIG: dict[str, Any] = {
+    # float32: greedy texts of concurrent and one-at-a-time requests must be identical.
+    "dtype": "float32",
     "kv_cache_memory_gib": 0.25,
     "max_num_seqs": 32,
     "max_model_len": 1024,
