@@ -44,7 +44,7 @@ class RequestIntervals:
     tpot: float | None = None
     # RESPONDED - ARRIVED.
     e2e_latency: float | None = None
-    # Sum over preemptions of (next NEW_TOKENS after it - PREEMPTED); 0 if never preempted.
+    # Sum over preemptions of (next NEW_TOKENS, or next PREEMPTED if sooner, - PREEMPTED); 0 if never preempted.
     preemption_stall: float = 0.0
     # Number of PREEMPTED events.
     num_preemptions: int = 0
@@ -94,7 +94,11 @@ def preemption_stall_times(events: list[RequestEvent]) -> list[float]:
     """One stall per PREEMPTED event, in time order.
 
     Rule: stall = next NEW_TOKENS after the PREEMPTED - PREEMPTED (wait in the queue, then the
-    recomputation of prompt and generated tokens, until the request produces again).
+    recomputation of prompt and generated tokens, until the request produces again), except that
+    a request preempted again before it produced (evicted while recomputing) ends this stall at
+    that next PREEMPTED, whose own stall takes over: the stalls never overlap, so their sum is the
+    time from the first of those preemptions to the next NEW_TOKENS, never more than the inference
+    time (summing each one to the shared next NEW_TOKENS counted the same time several times).
     Choice for a preemption never followed by NEW_TOKENS (aborted while preempted or while
     recomputing): stall = FINISHED - PREEMPTED, since all that time was lost to the preemption.
     A preemption of a still-live request with neither event yet contributes nothing.
@@ -105,8 +109,11 @@ def preemption_stall_times(events: list[RequestEvent]) -> list[float]:
     for index, event in enumerate(events):
         if event.type != EventType.PREEMPTED:
             continue
-        resumed_ts = first_ts(events[index + 1 :], EventType.NEW_TOKENS)
-        end_ts = resumed_ts if resumed_ts is not None else finished_ts
+        end_ts = finished_ts
+        for later in events[index + 1 :]:
+            if later.type in (EventType.NEW_TOKENS, EventType.PREEMPTED):
+                end_ts = later.ts
+                break
         if end_ts is not None:
             stalls.append(end_ts - event.ts)
     return stalls
@@ -161,7 +168,8 @@ def compute_intervals(
         tpot = decode_time / (num_generation_tokens - 1)
     # e2e latency = RESPONDED - ARRIVED
     e2e_latency = _difference(response_end_ts, arrived_ts)
-    # preemption stall = sum over preemptions of (next NEW_TOKENS after it - PREEMPTED)
+    # preemption stall = sum over preemptions of (next NEW_TOKENS after it - PREEMPTED), a stall
+    # ending early at a PREEMPTED that comes first (see preemption_stall_times: no overlaps)
     stalls = preemption_stall_times(events)
 
     return RequestIntervals(
