@@ -1,0 +1,261 @@
+"""Tensor-parallel executor: one `Worker` actor per rank inside a placement group.
+
+Placement: inside a Serve replica the workers join the replica's own placement group (rank r in
+bundle r, see workers/placement.py); anywhere else (tests, offline benchmarks) the executor
+creates a group with one bundle per rank and removes it on shutdown.
+
+Per-step dispatch (`dispatch=`), all sending only the SchedulerOutput deltas of the step:
+  * "compiled_graph": a Ray Compiled Graph (shared-memory channels, no task submission per step)
+    fanning the SchedulerOutput out to every rank; rank 0's output comes back;
+  * "broadcast": one Ray call to rank 0, which broadcasts the pickled SchedulerOutput to the
+    other ranks over a gloo group (one collective);
+  * "remote": one Ray call per rank per step.
+bench/tp_dispatch.py measures the three; the README has the numbers behind the default.
+
+Failure: a dead worker surfaces as ExecutorError within milliseconds (Ray fails the pending
+step's reference when an actor dies); a step that outlives step_timeout_s raises ExecutorError;
+after either the executor stays dead and `check_health` keeps failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Literal
+
+import ray
+from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.executor import Executor, ExecutorError
+from workers.model_config import ModelConfig
+from workers.placement import placement_bundles, worker_resources
+from workers.ray_worker import RayWorker
+from workers.worker import WorkerConfig, WorkerLoadReport
+
+logger = logging.getLogger(__name__)
+
+Dispatch = Literal["compiled_graph", "broadcast", "remote"]
+DEFAULT_DISPATCH: Dispatch = "compiled_graph"
+# Seconds to wait for a placement group, worker startup or weight loading before giving up.
+STARTUP_TIMEOUT_S = 300.0
+# Seconds `check_health` waits for every worker's ping.
+HEALTH_TIMEOUT_S = 5.0
+
+
+def check_tensor_parallel_size(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """Fail at start, naming the model's numbers, when the heads cannot be split N ways."""
+    n = tensor_parallel_size
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    problems = []
+    if heads % n:
+        sizes = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        problems.append(f"num_attention_heads={heads} is not divisible by it (sizes that work: {sizes})")
+    elif kv_heads % n and n % kv_heads:
+        problems.append(f"num_key_value_heads={kv_heads} neither divides it nor is divisible by it")
+    if cfg.intermediate_size % n:
+        problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by it")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={n} does not fit the model at {cfg.path}: " + "; ".join(problems))
+
+
+def default_num_threads(tensor_parallel_size: int) -> int:
+    """Intra-op threads per CPU rank: the machine's cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+
+
+class RayExecutor(Executor):
+    def __init__(self, worker_config: WorkerConfig, tensor_parallel_size: int,
+                 placement_strategy: str = "STRICT_PACK", step_timeout_s: float = 120.0,
+                 dispatch: Dispatch = DEFAULT_DISPATCH, num_threads_per_rank: int | None = None) -> None:
+        if dispatch not in ("compiled_graph", "broadcast", "remote"):
+            raise ValueError(f"unknown dispatch {dispatch!r}")
+        check_tensor_parallel_size(ModelConfig.from_pretrained(worker_config.model_path), tensor_parallel_size)
+        self.worker_config = worker_config
+        self.tensor_parallel_size = tensor_parallel_size
+        self.placement_strategy = placement_strategy
+        self.step_timeout_s = step_timeout_s
+        self.dispatch = dispatch
+        self.num_threads = num_threads_per_rank or default_num_threads(tensor_parallel_size)
+        self.use_gpu = worker_config.device == "cuda"
+        self.workers: list[Any] = []
+        self._created_pg: PlacementGroup | None = None
+        self._follower_refs: list[ray.ObjectRef] = []
+        self._dag = None
+        # Set once a worker died or a step failed: the executor never runs a step again.
+        self._dead_reason: str | None = None
+
+    # ---- startup ------------------------------------------------------------------------
+    def load(self) -> list[WorkerLoadReport]:
+        if not ray.is_initialized():
+            ray.init()
+        pg = self._placement_group()
+        resources = worker_resources(self.use_gpu)
+        for rank in range(self.tensor_parallel_size):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=rank,
+                placement_group_capture_child_tasks=True,
+            )
+            self.workers.append(RayWorker.options(
+                num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
+                scheduling_strategy=strategy, name=None,
+            ).remote(rank, self.tensor_parallel_size, self.worker_config, self.num_threads))
+        host, port = self._get(self.workers[0].get_rendezvous.remote(), STARTUP_TIMEOUT_S, "worker startup")
+        # Collectives wait longer than a step may take: a hung peer is reported as a step timeout.
+        collective_timeout_s = self.step_timeout_s + 30
+        self._get([w.init_distributed.remote(host, port, collective_timeout_s) for w in self.workers],
+                  STARTUP_TIMEOUT_S, "torch.distributed init")
+        return self._get([w.load_model.remote() for w in self.workers], STARTUP_TIMEOUT_S, "weight loading")
+
+    def _placement_group(self) -> PlacementGroup:
+        """The replica's own placement group when there is one; else a new one of ours."""
+        n = self.tensor_parallel_size
+        current = get_current_placement_group()
+        if current is not None:
+            if len(current.bundle_specs) < n:
+                raise ExecutorError(
+                    f"tensor_parallel_size={n} needs a placement group with {n} bundles; the "
+                    f"current one has {len(current.bundle_specs)} (see workers/placement.py)")
+            return current
+        bundles = placement_bundles(n, self.use_gpu, replica_cpus=0)
+        pg = placement_group(bundles, strategy=self.placement_strategy)
+        self._created_pg = pg
+        try:
+            ray.get(pg.ready(), timeout=STARTUP_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ExecutorError(
+                f"no room for {n} tensor-parallel workers ({bundles}, {self.placement_strategy}) "
+                f"within {STARTUP_TIMEOUT_S:.0f}s; available: {ray.available_resources()}") from None
+        return pg
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._get([w.init_kv_cache.remote(num_blocks) for w in self.workers], STARTUP_TIMEOUT_S, "KV cache allocation")
+        if self.dispatch == "broadcast":
+            self._follower_refs = [w.run_follower_loop.remote() for w in self.workers[1:]]
+        elif self.dispatch == "compiled_graph":
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as scheduler_output:
+                dag = MultiOutputNode([w.execute_model.bind(scheduler_output) for w in self.workers])
+            self._dag = dag.experimental_compile(_max_inflight_executions=1)
+
+    # ---- steps --------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._dead_reason is not None:
+            raise ExecutorError(self._dead_reason)
+        try:
+            if self.dispatch == "compiled_graph":
+                result = self._execute_compiled(scheduler_output)
+            elif self.dispatch == "broadcast":
+                step_ref = self.workers[0].execute_model_broadcast.remote(scheduler_output)
+                result = self._wait_step([step_ref], watch=self._follower_refs)[0]
+            else:
+                refs = [w.execute_model.remote(scheduler_output) for w in self.workers]
+                result = self._wait_step(refs, watch=[])[0]
+        except ExecutorError as exc:
+            self._dead_reason = str(exc)
+            raise
+        assert result is not None, "rank 0 returned no ModelRunnerOutput"
+        return result
+
+    def _execute_compiled(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            refs = self._dag.execute(scheduler_output)
+            return ray.get(refs, timeout=self.step_timeout_s)[0]
+        except ray.exceptions.RayChannelTimeoutError:
+            raise ExecutorError(self._timeout_message()) from None
+        except Exception as exc:  # noqa: BLE001 - any failure of a rank ends the executor
+            raise ExecutorError(self._failure_message(exc)) from exc
+
+    def _wait_step(self, refs: list[ray.ObjectRef], watch: list[ray.ObjectRef]) -> list[Any]:
+        """Results of `refs`; fails as soon as one of them or of `watch` (follower loops,
+        which only finish when their actor dies or errs) fails, or after step_timeout_s."""
+        deadline = time.monotonic() + self.step_timeout_s
+        pending = list(refs) + list(watch)
+        remaining = set(refs)
+        while remaining:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise ExecutorError(self._timeout_message())
+            try:
+                ray.get(ready[0])
+            except Exception as exc:  # noqa: BLE001
+                raise ExecutorError(self._failure_message(exc)) from exc
+            if ready[0] not in remaining:
+                raise ExecutorError("a tensor-parallel worker's follower loop ended unexpectedly")
+            remaining.discard(ready[0])
+        return ray.get(list(refs))
+
+    def _timeout_message(self) -> str:
+        return (f"a tensor-parallel step did not return within step_timeout_s={self.step_timeout_s}s "
+                f"(tensor_parallel_size={self.tensor_parallel_size}): a worker is hung or too slow")
+
+    def _failure_message(self, exc: BaseException) -> str:
+        if isinstance(exc, ray.exceptions.ActorDiedError | ray.exceptions.ActorUnavailableError):
+            return (f"a tensor-parallel worker actor died (tensor_parallel_size={self.tensor_parallel_size}):"
+                    f" {str(exc).splitlines()[0]}")
+        return f"a tensor-parallel worker failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+    def _get(self, refs, timeout: float, what: str):
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise ExecutorError(f"tensor-parallel {what} did not finish within {timeout:.0f}s") from None
+        except ray.exceptions.RayTaskError as exc:
+            # A worker's own exception (e.g. a bad checkpoint) is re-raised as it was.
+            raise exc.as_instanceof_cause() from None
+
+    # ---- health and shutdown ------------------------------------------------------------
+    def check_health(self) -> None:
+        if self._dead_reason is not None:
+            raise ExecutorError(self._dead_reason)
+        try:
+            ray.get([w.ping.remote() for w in self.workers], timeout=HEALTH_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise ExecutorError(f"a tensor-parallel worker did not answer a ping within {HEALTH_TIMEOUT_S}s") from None
+        except Exception as exc:  # noqa: BLE001
+            self._dead_reason = self._failure_message(exc)
+            raise ExecutorError(self._dead_reason) from exc
+
+    def take_forward_times(self) -> list[list[float]]:
+        """Per rank, the per-step execute times recorded since the last call (benchmarks)."""
+        return ray.get([w.take_forward_times.remote() for w in self.workers], timeout=HEALTH_TIMEOUT_S)
+
+    def shutdown(self) -> None:
+        """Stop the workers (their process group goes with them) and remove our placement group."""
+        workers, self.workers = self.workers, []
+        healthy = self._dead_reason is None
+        if healthy:
+            self._dead_reason = "the executor was shut down"
+            self._release_dispatch(workers)
+        for worker in workers:
+            ray.kill(worker, no_restart=True)
+        if self._dag is not None and not healthy:
+            # Its actors are gone: tearing down only frees the driver side (Ray logs the dead actors).
+            dag, self._dag = self._dag, None
+            dag_logger = logging.getLogger("ray.dag.compiled_dag_node")
+            level = dag_logger.level
+            dag_logger.setLevel(logging.CRITICAL)
+            try:
+                dag.teardown()
+            except Exception:  # noqa: BLE001
+                pass
+            finally:
+                dag_logger.setLevel(level)
+        if self._created_pg is not None:
+            remove_placement_group(self._created_pg)
+            self._created_pg = None
+
+    def _release_dispatch(self, workers: list[Any]) -> None:
+        """Clean stop of a healthy group: tear the compiled graph down / end the follower loops."""
+        try:
+            if self._dag is not None:
+                dag, self._dag = self._dag, None
+                dag.teardown()
+            if self._follower_refs:
+                ray.get(workers[0].stop_follower_loops.remote(), timeout=HEALTH_TIMEOUT_S)
+                ray.wait(self._follower_refs, num_returns=len(self._follower_refs), timeout=HEALTH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the workers are killed right after anyway
+            logger.warning("tensor-parallel workers did not stop cleanly", exc_info=True)
