@@ -91,6 +91,10 @@ def timeline_segments(events: Iterable[RequestEvent]) -> list[Segment]:
             continue
         rescheduled_ts = _next_ts(events, index, EventType.SCHEDULED)
         resumed_ts = _next_ts(events, index, EventType.NEW_TOKENS)
+        # Preempted again while recomputing: this recompute ends there (the next overlay starts).
+        preempted_again_ts = _next_ts(events, index, EventType.PREEMPTED)
+        if preempted_again_ts is not None and (resumed_ts is None or preempted_again_ts < resumed_ts):
+            resumed_ts = preempted_again_ts
         if rescheduled_ts is not None and resumed_ts is not None and rescheduled_ts > resumed_ts:
             rescheduled_ts = None  # defensive: a SCHEDULED after the resume belongs to a later preemption
         spans.append(("preempted", event.ts, rescheduled_ts if rescheduled_ts is not None else finished_ts))
