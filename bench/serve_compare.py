@@ -1,0 +1,148 @@
+"""tpserve vs vLLM (CPU build) over HTTP: same machine, same model, same workload, one at a time.
+
+    python -m bench.serve_compare            # `make bench-serve`
+    python -m bench.serve_compare --tpserve-base-url http://127.0.0.1:8000   # an already running tpserve
+
+Starts `tpserve serve` on a free port, runs bench.serve_load against it, stops it; then the same
+for the vLLM peer (bench.vllm_peer, installed into its own venv on first use). The servers never
+run at the same time, so neither steals the other's cores. Prints one JSON object: the workload,
+both results, and tpserve/vLLM ratios (throughput: higher is better for tpserve; TTFT and TPOT:
+lower is better). Every server it started is stopped on the way out, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+
+from bench import vllm_peer
+from bench.serve_load import LoadConfig, run_load
+from bench.workload import load_tokenizer, random_requests
+
+logger = logging.getLogger("bench.serve_compare")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def start_tpserve(model_dir: Path | None, args: argparse.Namespace) -> vllm_peer.ManagedServer:
+    port = vllm_peer.free_port()
+    exe = Path(args.tpserve_bin) if args.tpserve_bin else REPO / ".venv" / "bin" / "tpserve"
+    cmd = [str(exe), "serve", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-model-len", str(args.max_model_len)]
+    if model_dir is not None:
+        cmd += ["--model", str(model_dir)]
+    cmd += args.tpserve_arg
+    # /health answers once the replica's engine is up, not merely once Ray's proxy is.
+    return vllm_peer.launch(cmd, dict(os.environ), port, None, "tpserve", "/health", args.startup_timeout)
+
+
+def start_vllm(model_dir: Path, args: argparse.Namespace) -> vllm_peer.ManagedServer:
+    return vllm_peer.start_vllm_server(
+        model_dir, max_model_len=args.max_model_len, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        omp_threads_bind=args.vllm_omp_bind, startup_timeout_s=args.startup_timeout,
+    )
+
+
+def bench_one(name: str, start, base_url: str | None, requests, args) -> dict:
+    """Run the load against `base_url`, or against a server `start()` brings up and we stop."""
+    server = None
+    try:
+        if base_url is None:
+            server = start()
+            base_url = server.base_url
+        cfg = LoadConfig(base_url=base_url, requests=requests, num_prompts=len(requests),
+                         max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+                         ignore_eos=True, seed=args.seed, max_duration_s=args.max_duration)
+        result = asyncio.run(run_load(cfg))
+        if server is not None:
+            result["server_log"] = str(server.log_path)
+        return result
+    except Exception as exc:  # one side failing still leaves the other's figures to report
+        logger.exception("%s benchmark failed", name)
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    finally:
+        if server is not None:
+            logger.info("stopping %s", name)
+            server.stop()
+
+
+def ratio(a: dict, b: dict, key: str) -> float | None:
+    if a.get("completed") and b.get("completed") and b.get(key):
+        return a[key] / b[key]
+    return None
+
+
+def _interrupt(_signum, _frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default=None, help="HF folder (default: tpserve's default model)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len-min", type=int, default=64)
+    p.add_argument("--input-len-max", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--request-rate", type=float, default=math.inf)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="vLLM's --dtype; tpserve's 'auto' is float32 on CPU")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="both servers (tpserve's default)")
+    p.add_argument("--max-duration", type=float, default=900, help="cap on each load run, seconds")
+    p.add_argument("--startup-timeout", type=float, default=900, help="cap on each server start, seconds")
+    p.add_argument("--tpserve-base-url", default=None, help="use this running tpserve instead of starting one")
+    p.add_argument("--vllm-base-url", default=None, help="use this running vLLM instead of starting one")
+    p.add_argument("--tpserve-bin", default=None, help="default: .venv/bin/tpserve")
+    p.add_argument("--tpserve-arg", action="append", default=[], help="extra `tpserve serve` argument (repeat)")
+    p.add_argument("--vllm-omp-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: all our CPUs)")
+    p.add_argument("--skip", choices=["tpserve", "vllm"], action="append", default=[])
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # SIGTERM (CI timeout, kill) must unwind through the `finally` blocks that stop the servers.
+    signal.signal(signal.SIGTERM, _interrupt)
+
+    from workers.default_model import ensure_default_model
+
+    model_dir = Path(args.model_dir) if args.model_dir else ensure_default_model()
+    # One workload, built once, so both servers get exactly the same prompts.
+    requests = random_requests(load_tokenizer(model_dir), args.num_prompts, args.input_len_min,
+                               args.input_len_max, args.output_len, args.seed)
+    out: dict = {
+        "workload": {
+            "model": model_dir.name, "num_prompts": len(requests), "input_len": [args.input_len_min, args.input_len_max],
+            "output_len": args.output_len, "ignore_eos": True, "max_concurrency": args.max_concurrency,
+            "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "seed": args.seed,
+            "total_input_tokens": sum(r.prompt_len for r in requests),
+        },
+        "machine": {"cpus": len(os.sched_getaffinity(0)), "loadavg_before": os.getloadavg()},
+    }
+    if "tpserve" not in args.skip:
+        out["tpserve"] = bench_one("tpserve", lambda: start_tpserve(None if args.model_dir is None else model_dir, args),
+                                   args.tpserve_base_url, requests, args)
+    if "vllm" not in args.skip:
+        out["vllm"] = bench_one("vllm", lambda: start_vllm(model_dir, args), args.vllm_base_url, requests, args)
+    t, v = out.get("tpserve", {}), out.get("vllm", {})
+    out["ratios_tpserve_over_vllm"] = {
+        "output_token_throughput": ratio(t, v, "output_token_throughput"),
+        "median_ttft_ms": ratio(t, v, "median_ttft_ms"),
+        "median_tpot_ms": ratio(t, v, "median_tpot_ms"),
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    ok = all(out[k].get("completed") for k in ("tpserve", "vllm") if k in out)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""bench.serve_load against a tiny fake OpenAI-compatible SSE server (no model), and workload seeding.
+
+The fake server sleeps known gaps before each chunk, so the client's TTFT/ITL must reflect chunk
+arrival times. Bounds are generous: CI machines are shared and slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import math
+import socket
+import threading
+import time
+from contextlib import redirect_stdout
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from bench import serve_load, workload
+from bench.serve_load import LoadConfig, run_load
+from bench.workload import BenchRequest
+
+TTFT_S = 0.15  # the fake server waits this long before the first chunk
+GAP_S = 0.04  # and this long between later chunks
+
+
+async def _models(request: Request):
+    return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+
+async def _completions(request: Request):
+    body = await request.json()
+    if "FAIL" in body["prompt"]:
+        return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+    n = body["max_tokens"]
+
+    async def events():
+        for i in range(n):
+            await asyncio.sleep(TTFT_S if i == 0 else GAP_S)
+            chunk = {"id": "c", "object": "text_completion", "model": body["model"],
+                     "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+        # Finish chunk without text, then usage with no choices, as vLLM sends them.
+        yield 'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n'
+        usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
+        yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    app = Starlette(routes=[Route("/v1/models", _models), Route("/v1/completions", _completions, methods=["POST"])])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a free port, held by us until uvicorn takes the socket over
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def _tiny_tokenizer():
+    """A BPE tokenizer trained in-process on a few sentences: no files, no hub."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the quick brown fox jumps over the lazy dog", "serving large language models fast",
+              "paged attention and continuous batching", "tokens per second per user"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def test_load_against_fake_server(fake_server):
+    reqs = [BenchRequest(f"prompt {i}", 7, 5) for i in range(6)] + [BenchRequest("FAIL", 1, 5)]
+    cfg = LoadConfig(base_url=fake_server + "/v1/", requests=reqs, num_prompts=7, max_concurrency=4,
+                     request_rate=math.inf, warmup=1, max_duration_s=30)
+    t0 = time.perf_counter()
+    out = asyncio.run(run_load(cfg))
+    assert time.perf_counter() - t0 < 20
+    assert out["model"] == "fake-model"  # asked /v1/models
+    assert out["completed"] == 6 and out["failed"] == 1
+    assert "HTTP 500" in out["errors"][0]
+    assert out["total_output_tokens"] == 30 and out["total_input_tokens"] == 42
+    for key in ("duration_s", "request_throughput", "output_token_throughput", "total_token_throughput"):
+        assert out[key] > 0
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        for stat in ("mean", "median", "p99"):
+            assert f"{stat}_{metric}_ms" in out
+    # Times come from chunk arrival: TTFT ~150 ms, each gap ~40 ms, e2e ~150 + 4*40 ms.
+    assert TTFT_S * 1000 * 0.9 <= out["median_ttft_ms"] < 1500
+    assert GAP_S * 1000 * 0.9 <= out["median_itl_ms"] < 400
+    assert GAP_S * 1000 * 0.9 <= out["median_tpot_ms"] < 400
+    assert (TTFT_S + 4 * GAP_S) * 1000 * 0.9 <= out["median_e2e_ms"] < 3000
+    assert out["output_token_throughput"] == pytest.approx(30 / out["duration_s"])
+
+
+def test_poisson_rate_and_time_cap(fake_server):
+    reqs = [BenchRequest(f"p{i}", 7, 3) for i in range(4)]
+    # 2 req/s Poisson: the arrivals alone spread the run out over roughly 1.5 s on average.
+    out = asyncio.run(run_load(LoadConfig(base_url=fake_server, requests=reqs, request_rate=2.0,
+                                          warmup=0, max_duration_s=30, seed=1)))
+    assert out["completed"] == 4 and out["request_rate"] == 2.0
+    # A cap shorter than one request: nothing completes, everything is counted as failed.
+    out = asyncio.run(run_load(LoadConfig(base_url=fake_server, requests=reqs, warmup=0, max_duration_s=0.05)))
+    assert out["completed"] == 0 and out["failed"] == 4
+
+
+def test_cli_prints_one_json_object(fake_server, tmp_path):
+    _tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = serve_load.main(["--base-url", fake_server, "--tokenizer", str(tmp_path / "tok"), "--num-prompts", "3",
+                              "--input-len-min", "5", "--input-len-max", "9", "--output-len", "2", "--ignore-eos"])
+    assert rc == 0
+    out = json.loads(buf.getvalue())
+    assert out["completed"] == 3 and out["total_output_tokens"] == 6
+
+
+def test_workload_is_deterministic(tmp_path):
+    tok = _tiny_tokenizer()
+    a = workload.random_requests(tok, 8, 10, 30, 16, seed=3)
+    b = workload.random_requests(tok, 8, 10, 30, 16, seed=3)
+    c = workload.random_requests(tok, 8, 10, 30, 16, seed=4)
+    assert a == b and a != c
+    for r in a:
+        assert r.max_tokens == 16
+        assert 10 <= r.prompt_len <= 30  # re-encoded length
+        assert r.prompt_len == len(tok.encode(r.prompt, add_special_tokens=False))
+    ids = workload.random_id_prompts(100, 5, 3, 6, seed=0)
+    assert ids == workload.random_id_prompts(100, 5, 3, 6, seed=0)
+    assert all(3 <= len(p) <= 6 and max(p) < 100 for p in ids)
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a b c", "max_tokens": 5}\n\n{"prompt": "d e"}\n{"prompt": "f"}\n')
+    x = workload.file_requests(path, 2, 9, tok, seed=1)
+    assert x == workload.file_requests(path, 2, 9, tok, seed=1) and len(x) == 2
+    every = workload.file_requests(path, 5, 9, None)
+    assert [r.max_tokens for r in every] == [5, 9, 9, 5, 9]
