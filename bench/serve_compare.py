@@ -33,8 +33,9 @@ REPO = Path(__file__).resolve().parent.parent
 def start_tpserve(model_dir: Path | None, args: argparse.Namespace) -> vllm_peer.ManagedServer:
     port = vllm_peer.free_port()
     exe = Path(args.tpserve_bin) if args.tpserve_bin else REPO / ".venv" / "bin" / "tpserve"
+    # Same dtype on both servers: the comparison is of engines, not of number formats.
     cmd = [str(exe), "serve", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", str(args.max_model_len)]
+           "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
     if model_dir is not None:
         cmd += ["--model", str(model_dir)]
     cmd += args.tpserve_arg
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--request-rate", type=float, default=math.inf)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", help="vLLM's --dtype; tpserve's 'auto' is float32 on CPU")
+    p.add_argument("--dtype", default="float32", help="dtype of both servers (float32 or bfloat16)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64, help="both servers (tpserve's default)")
     p.add_argument("--max-duration", type=float, default=900, help="cap on each load run, seconds")

@@ -107,7 +107,8 @@ def serve_command(namespace: argparse.Namespace) -> int:
         print("tpserve: preparing the default model (converted once, then cached) ...", flush=True)
         ensure_default_model()
 
-    ray.init(address=namespace.ray_address)
+    # No address: always a fresh local cluster ("local"), never one someone else started here.
+    ray.init(address=namespace.ray_address or "local")
     # After ray.init, which installs its own SIGTERM handler: SIGTERM takes the same clean path as
     # Ctrl-C. SIGINT is set explicitly too: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
