@@ -54,6 +54,8 @@ class EngineMetrics:
         self.frontend_finalizes = frontend_finalizes
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()
         self._awaiting_response: OrderedDict[str, None] = OrderedDict()
+        # The engine's scheduler, from log_startup: state gauges after changes outside a step.
+        self._scheduler = None
 
     # ---- startup ------------------------------------------------------------------------
     def log_startup(self, engine) -> None:
@@ -70,6 +72,7 @@ class EngineMetrics:
                                  cfg.enable_prefix_caching, engine.worker_config.dtype)
         for stat_logger in self.loggers:
             stat_logger.log_cache_config(info)
+        self._scheduler = engine.scheduler
 
     # ---- per step -----------------------------------------------------------------------
     def on_request_added(self, request_id: str, arrival_ts: float | None) -> None:
@@ -78,9 +81,17 @@ class EngineMetrics:
             record.events.append(RequestEvent(EventType.ARRIVED, arrival_ts))
 
     def on_step(self, outputs: list[RequestOutput], iteration: IterationStats | None) -> None:
+        """One engine step (`iteration`), or outputs produced between steps (iteration None:
+        aborts, rejected adds). A request that ended between steps freed its KV blocks and left
+        the queues with no step to report it (the engine may go idle right after), so the state
+        gauges are refreshed from the scheduler of the engine given to `log_startup`."""
         if iteration is not None:
             for stat_logger in self.loggers:
                 stat_logger.record(iteration)
+        elif self._scheduler is not None and any(out.finished for out in outputs):
+            state = self._scheduler.state_stats()
+            for stat_logger in self.loggers:
+                stat_logger.record_state(state)
         self.on_outputs(outputs)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:

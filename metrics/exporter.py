@@ -12,7 +12,7 @@ from abc import abstractmethod
 
 from metrics.definitions import METRICS_BY_NAME, normalize_finished_reason
 from metrics.stat_logger import StatLogger
-from metrics.stats import FinishedRequestStats, IterationStats
+from metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 NoLabels: dict[str, str] = {}
 
@@ -59,7 +59,11 @@ class MetricsExporter(StatLogger):
 
     def record(self, iteration: IterationStats) -> None:
         scheduler = iteration.scheduler
-        # Queue gauges, as the scheduler left them after this step.
+        self.record_state(scheduler)
+        self._record_step_work(iteration)
+
+    def record_state(self, scheduler: SchedulerStats) -> None:
+        # Queue gauges, as the scheduler left them after this step (or change outside a step).
         self._set_gauge("tpserve_num_requests_running", scheduler.num_running)
         self._set_gauge("tpserve_num_requests_waiting", scheduler.num_waiting)
         self._set_gauge("tpserve_num_requests_waiting_preempted", scheduler.num_waiting_preempted)
@@ -76,6 +80,8 @@ class MetricsExporter(StatLogger):
             self._set_gauge("tpserve_kv_cache_free_blocks", kv.free_blocks)
             self._set_gauge("tpserve_kv_cache_total_blocks", kv.total_blocks)
 
+    def _record_step_work(self, iteration: IterationStats) -> None:
+        scheduler = iteration.scheduler
         # Counters.
         self._inc_if_positive("tpserve_prompt_tokens_total", iteration.num_prompt_tokens)
         self._inc_if_positive("tpserve_prefill_tokens_computed_total", scheduler.prefill_tokens)

@@ -269,7 +269,14 @@ class Scheduler:
     # ---- stats --------------------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
         """This step's stats with queue sizes and the KV snapshot as they are now."""
-        stats = self._stats
+        return self._fill_state(self._stats)
+
+    def state_stats(self) -> SchedulerStats:
+        """Queue sizes and the KV snapshot as they are now, with no step's work in them (for
+        changes outside a step: an abort, the empty cache at start)."""
+        return self._fill_state(SchedulerStats())
+
+    def _fill_state(self, stats: SchedulerStats) -> SchedulerStats:
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.waiting)
         stats.num_waiting_preempted = sum(
