@@ -70,9 +70,12 @@ class EngineMetrics:
         logger.info(format_max_concurrency(usable * cfg.block_size, cfg.max_model_len))
         info = cache_config_info(cfg.block_size, usable, cfg.max_model_len, tp,
                                  cfg.enable_prefix_caching, engine.worker_config.dtype)
+        self._scheduler = engine.scheduler
+        # The gauges describe the empty cache from the start, not zero blocks until a first step.
+        state = self._scheduler.state_stats()
         for stat_logger in self.loggers:
             stat_logger.log_cache_config(info)
-        self._scheduler = engine.scheduler
+            stat_logger.record_state(state)
 
     # ---- per step -----------------------------------------------------------------------
     def on_request_added(self, request_id: str, arrival_ts: float | None) -> None:
