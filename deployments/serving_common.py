@@ -179,11 +179,14 @@ class ResponseRun:
 
     def whole_response(self, choice_bodies: list[dict[str, Any]]) -> JSONResponse:
         for choice, body in zip(self.choices, choice_bodies):
-            if choice.metrics is not None:
-                body["metrics"] = choice.metrics
             if choice.num_output_tokens:
                 # The body carries every token: the first one is handed over with it.
                 self.streams.mark_first_token_sent(choice.spec.index)
+            if choice.metrics is not None:
+                # Again, now that FIRST_TOKEN_SENT is recorded (TTFT ends there). e2e_latency
+                # cannot include the sending of the body that carries it: it ends here.
+                choice.metrics = self.engine.request_metrics(choice.spec.request_id) or choice.metrics
+                body["metrics"] = choice.metrics
         body = {**self.header, "choices": choice_bodies, "usage": make_usage(self.choices)}
         if self.want_metrics and len(self.choices) == 1:
             body["metrics"] = self.choices[0].metrics
