@@ -37,12 +37,26 @@ def deployment_options(config: TpserveConfig) -> dict[str, Any]:
     own CPU merged into bundle 0); everything about where a replica runs belongs here.
     """
     options: dict[str, Any] = {"max_ongoing_requests": config.max_ongoing_requests}
+    options.update(placement_options(config))
     if config.autoscaling_config is not None:
         # Serve autoscaling on ongoing requests; num_replicas must then be left unset (or "auto").
         options["autoscaling_config"] = config.autoscaling_config
     else:
         options["num_replicas"] = config.num_replicas
     return options
+
+
+def placement_options(config: TpserveConfig) -> dict[str, Any]:
+    """Where a replica runs. TP > 1: a placement group with one bundle per rank (the workers
+    join it). TP = 1: the model runs in the replica itself, which then needs the GPU when the
+    cluster has GPUs."""
+    from workers.placement import cluster_has_gpus, serve_deployment_ray_options
+
+    if config.tensor_parallel_size > 1:
+        return serve_deployment_ray_options(config)
+    if cluster_has_gpus():
+        return {"ray_actor_options": {"num_cpus": 1, "num_gpus": 1}}
+    return {}
 
 
 @serve.deployment(name=DEPLOYMENT_NAME)
