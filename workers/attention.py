@@ -14,9 +14,13 @@ folded into the query-length dimension (decode) or passed with enable_gqa (prefi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from workers.gpu_attention import DecodeAttention
 
 
 @dataclass
@@ -45,6 +49,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     # The prefill chunks after the decodes.
     prefills: list[PrefillChunk]
+    # Decode-only GPU steps (graph runner): the graph-safe decode kernel and its static
+    # addressing; the decode_* fields above are then unused. None on CPU and for mixed steps.
+    gpu_decode: DecodeAttention | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -62,6 +69,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     kv_heads = k.shape[1]
     group = num_heads // kv_heads
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if meta.gpu_decode is not None:
+        return meta.gpu_decode.forward(q, k_cache, v_cache, scale)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
 
     nd = meta.num_decodes

@@ -2,6 +2,10 @@
 
 Tokens are laid out decodes first (one token each), then prefill chunks, which lets attention
 batch all decodes in one call. Only rank 0 samples and returns tokens.
+
+On GPU a decode-only step goes to the graph runner (static buffers, CUDA-graph replay when it
+can, the same graph-safe forward eagerly when it cannot); every other step, and every step on
+CPU, takes the flat-batch path below.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.attention import AttentionMetadata, PrefillChunk
+from workers.cuda_graph import CudaGraphRunner, is_decode_only, make_decode_batch
 from workers.input_batch import CachedRequestState, RequestStates
 from workers.llama import LlamaForCausalLM
 from workers.sampler import SamplingRow, sample
@@ -32,7 +37,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, stop_ids: tuple[int, ...]) -> None:
+                 block_size: int, device: torch.device, stop_ids: tuple[int, ...],
+                 graph_runner: CudaGraphRunner | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -41,6 +47,8 @@ class ModelRunner:
         self.stop_ids = stop_ids
         self.requests = RequestStates()
         self.is_first_rank = model.tp.is_first_rank
+        # Decode-only steps on GPU (None on CPU).
+        self.graph_runner = graph_runner
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -48,9 +56,13 @@ class ModelRunner:
         self.requests.update(out)
         if out.is_empty:
             return ModelRunnerOutput() if self.is_first_rank else None
-        inputs = self.prepare_inputs(out)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        result = self._sample(hidden, inputs)
+        if self.graph_runner is not None and is_decode_only(out.num_scheduled_tokens):
+            hidden, samplers = self._run_decode(out)
+        else:
+            inputs = self.prepare_inputs(out)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            samplers = inputs.samplers
+        result = self._sample(hidden, samplers)
         for req_id, num in out.num_scheduled_tokens.items():
             self.requests.states[req_id].num_computed_tokens += num
         if result is not None:
@@ -114,17 +126,30 @@ class ModelRunner:
             samplers=samplers,
         )
 
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput | None:
-        if not inputs.samplers:
+    def _run_decode(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[str, int]]]:
+        """A decode-only step through the graph runner, rows in the same order as prepare_inputs."""
+        states = [self.requests.states[req_id] for req_id in out.num_scheduled_tokens]
+        batch = make_decode_batch([(s.token_ids, s.block_ids, s.num_computed_tokens) for s in states],
+                                  self.block_size)
+        samplers = [(s.req_id, i) for i, s in enumerate(states) if s.num_computed_tokens + 1 == len(s.token_ids)]
+        return self.graph_runner.run(batch), samplers
+
+    def _sample(self, hidden: torch.Tensor, samplers: list[tuple[str, int]]) -> ModelRunnerOutput | None:
+        if not samplers:
             # Every rank must still take part in the logits gather (collective).
             self.model.compute_logits(hidden[:0])
             return ModelRunnerOutput() if self.is_first_rank else None
-        index = torch.tensor([i for _, i in inputs.samplers], device=self.device)
-        logits = self.model.compute_logits(hidden[index])
+        row_index = [i for _, i in samplers]
+        if row_index == list(range(hidden.shape[0])):
+            selected = hidden  # every row samples (decode steps): no gather
+        else:
+            # non_blocking: no host sync before the tokens are read (one .tolist() in sample()).
+            selected = hidden[torch.tensor(row_index).to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(selected)
         if logits is None:
             return None
         rows = []
-        for req_id, _ in inputs.samplers:
+        for req_id, _ in samplers:
             state = self.requests.states[req_id]
             rows.append(SamplingRow(
                 params=state.params,
@@ -135,7 +160,7 @@ class ModelRunner:
             ))
         token_ids, logprobs = sample(logits.float(), rows)
         result = ModelRunnerOutput()
-        for (req_id, _), token_id, lp in zip(inputs.samplers, token_ids, logprobs):
+        for (req_id, _), token_id, lp in zip(samplers, token_ids, logprobs):
             result.sampled_token_ids[req_id] = [token_id]
             if lp is not None:
                 result.logprobs[req_id] = [lp]

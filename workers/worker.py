@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.cuda_graph import CudaGraphRunner, make_graph_runner
 from workers.kv_cache import GiB, KVCacheSpec, allocate_kv_cache, kv_spec_for, num_blocks_for_budget
 from workers.llama import LlamaForCausalLM
 from workers.model_config import ModelConfig
@@ -38,6 +39,13 @@ class WorkerConfig:
     gpu_memory_utilization: float
     # "cpu" or "cuda".
     device: str
+    # GPU only: run decode eagerly instead of replaying CUDA graphs.
+    enforce_eager: bool = False
+    # Most requests running at once, and the cap on the largest captured decode batch.
+    max_num_seqs: int = 64
+    max_cuda_graph_batch_size: int = 256
+    # Decode attention kernel on GPU: "auto", "torch", "flash_attn" or "flashinfer".
+    decode_attention: str = "auto"
 
 
 @dataclass
@@ -109,7 +117,23 @@ class WorkerCore:
         assert self.model is not None and self.kv_spec is not None
         kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         stop_ids = tuple(self.model_config.eos_token_ids)
-        self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, self.device, stop_ids)
+        graph_runner = self._make_graph_runner(kv_caches) if self.device.type == "cuda" else None
+        self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, self.device, stop_ids,
+                                  graph_runner=graph_runner)
+
+    def _make_graph_runner(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CudaGraphRunner:
+        """GPU decode runner; its graphs are captured now (the KV cache exists) unless enforce_eager.
+        With tensor parallelism every rank captures the same list: the eager warm-up before each
+        capture has already initialised the NCCL communicator, so the all-reduces are recorded."""
+        cfg = self.config
+        runner = make_graph_runner(
+            self.model, kv_caches, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs, max_cuda_graph_batch_size=cfg.max_cuda_graph_batch_size,
+            dtype=cfg.dtype, device=self.device, attention_backend=cfg.decode_attention,
+        )
+        if not cfg.enforce_eager:
+            runner.capture()
+        return runner
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.runner is not None, "init_kv_cache must run before execute_model"
