@@ -75,6 +75,9 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
         kv_cache_memory_gib=config.kv_cache_memory_gib,
         gpu_memory_utilization=config.gpu_memory_utilization,
         device=device,
+        enforce_eager=config.enforce_eager,
+        max_num_seqs=config.max_num_seqs,
+        max_cuda_graph_batch_size=config.max_cuda_graph_batch_size,
     )
 
 

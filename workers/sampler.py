@@ -32,12 +32,14 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     p = row.params
     vocab = logits.shape[-1]
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long,
+                            device=logits.device)
         seen = seen[seen < vocab]
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if row.output_token_ids and (p.frequency_penalty or p.presence_penalty):
-        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
+        ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(ids, minlength=vocab)[:vocab]
         logits -= p.frequency_penalty * counts.to(logits.dtype)
         logits -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
@@ -80,6 +82,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
         if row.params.is_greedy:
             continue
         probs = filter_logits(logits[i], row.params).softmax(-1)
+        if row.generator is not None and probs.device != row.generator.device:
+            # Seeded rows draw from their own CPU generator: the same tokens on any device.
+            probs = probs.cpu()
         token_ids[i] = int(torch.multinomial(probs, 1, generator=row.generator).item())
 
     logprobs: list[SampledLogprobs | None] = [None] * len(rows)
