@@ -98,7 +98,7 @@ def run_engine(model_path: str, prompts: list[list[int]], tensor_parallel_size: 
     """Greedy outputs of every prompt (all submitted at once) and the number of preemptions."""
     config = TpserveConfig(model=model_path, tensor_parallel_size=tensor_parallel_size, block_size=BLOCK_SIZE,
                            max_model_len=256, kv_cache_memory_gib=overrides.pop("kv_cache_memory_gib", 0.05),
-                           enable_prefix_caching=False, **overrides)
+                           enable_prefix_caching=False, dtype="float32", **overrides)
     engine = LLMEngine(config)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -7,8 +7,9 @@ creates a group with one bundle per rank and removes it on shutdown.
 Per-step dispatch (`dispatch=`), all sending only the SchedulerOutput deltas of the step:
   * "compiled_graph": a Ray Compiled Graph (shared-memory channels, no task submission per step)
     fanning the SchedulerOutput out to every rank; rank 0's output comes back;
-  * "broadcast": one Ray call to rank 0, which broadcasts the pickled SchedulerOutput to the
-    other ranks over a gloo group (one collective);
+  * "gloo": no Ray call per step: the engine broadcasts the pickled SchedulerOutput to every
+    rank over a gloo control group of its own (engine + workers, one collective) and rank 0
+    sends its output back point to point; every wait blocks (no polling);
   * "remote": one Ray call per rank per step.
 bench/tp_dispatch.py measures the three; the README has the numbers behind the default.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from typing import Any, Literal
 
 import ray
@@ -32,13 +34,13 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.executor import Executor, ExecutorError
 from workers.model_config import ModelConfig
 from workers.placement import placement_bundles, worker_resources
-from workers.ray_worker import RayWorker
+from workers.ray_worker import STOP, RayWorker, make_control_channel, make_control_store
 from workers.worker import WorkerConfig, WorkerLoadReport
 
 logger = logging.getLogger(__name__)
 
-Dispatch = Literal["compiled_graph", "broadcast", "remote"]
-DEFAULT_DISPATCH: Dispatch = "compiled_graph"
+Dispatch = Literal["gloo", "compiled_graph", "remote"]
+DEFAULT_DISPATCH: Dispatch = "gloo"
 # Seconds to wait for a placement group, worker startup or weight loading before giving up.
 STARTUP_TIMEOUT_S = 300.0
 # Seconds `check_health` waits for every worker's ping.
@@ -70,7 +72,7 @@ class RayExecutor(Executor):
     def __init__(self, worker_config: WorkerConfig, tensor_parallel_size: int,
                  placement_strategy: str = "STRICT_PACK", step_timeout_s: float = 120.0,
                  dispatch: Dispatch = DEFAULT_DISPATCH, num_threads_per_rank: int | None = None) -> None:
-        if dispatch not in ("compiled_graph", "broadcast", "remote"):
+        if dispatch not in ("gloo", "compiled_graph", "remote"):
             raise ValueError(f"unknown dispatch {dispatch!r}")
         check_tensor_parallel_size(ModelConfig.from_pretrained(worker_config.model_path), tensor_parallel_size)
         self.worker_config = worker_config
@@ -81,8 +83,14 @@ class RayExecutor(Executor):
         self.num_threads = num_threads_per_rank or default_num_threads(tensor_parallel_size)
         self.use_gpu = worker_config.device == "cuda"
         self.workers: list[Any] = []
+        # Names the worker actors (`tpserve-worker-<group id>-rank<r>`, for operators and tests).
+        self._group_id = uuid.uuid4().hex[:8]
         self._created_pg: PlacementGroup | None = None
-        self._follower_refs: list[ray.ObjectRef] = []
+        # Gloo dispatch: the control group (and its store) and every rank's control-loop task,
+        # whose reference fails the moment its actor dies.
+        self._control = None
+        self._control_store = None
+        self._loop_refs: list[ray.ObjectRef] = []
         self._dag = None
         # Set once a worker died or a step failed: the executor never runs a step again.
         self._dead_reason: str | None = None
@@ -100,7 +108,7 @@ class RayExecutor(Executor):
             )
             self.workers.append(RayWorker.options(
                 num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
-                scheduling_strategy=strategy, name=None,
+                scheduling_strategy=strategy, name=f"tpserve-worker-{self._group_id}-rank{rank}",
             ).remote(rank, self.tensor_parallel_size, self.worker_config, self.num_threads))
         host, port = self._get(self.workers[0].get_rendezvous.remote(), STARTUP_TIMEOUT_S, "worker startup")
         # Collectives wait longer than a step may take: a hung peer is reported as a step timeout.
@@ -132,8 +140,8 @@ class RayExecutor(Executor):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._get([w.init_kv_cache.remote(num_blocks) for w in self.workers], STARTUP_TIMEOUT_S, "KV cache allocation")
-        if self.dispatch == "broadcast":
-            self._follower_refs = [w.run_follower_loop.remote() for w in self.workers[1:]]
+        if self.dispatch == "gloo":
+            self._start_control_loops()
         elif self.dispatch == "compiled_graph":
             from ray.dag import InputNode, MultiOutputNode
 
@@ -148,12 +156,10 @@ class RayExecutor(Executor):
         try:
             if self.dispatch == "compiled_graph":
                 result = self._execute_compiled(scheduler_output)
-            elif self.dispatch == "broadcast":
-                step_ref = self.workers[0].execute_model_broadcast.remote(scheduler_output)
-                result = self._wait_step([step_ref], watch=self._follower_refs)[0]
+            elif self.dispatch == "gloo":
+                result = self._execute_gloo(scheduler_output)
             else:
-                refs = [w.execute_model.remote(scheduler_output) for w in self.workers]
-                result = self._wait_step(refs, watch=[])[0]
+                result = self._wait_step([w.execute_model.remote(scheduler_output) for w in self.workers])[0]
         except ExecutorError as exc:
             self._dead_reason = str(exc)
             raise
@@ -169,13 +175,11 @@ class RayExecutor(Executor):
         except Exception as exc:  # noqa: BLE001 - any failure of a rank ends the executor
             raise ExecutorError(self._failure_message(exc)) from exc
 
-    def _wait_step(self, refs: list[ray.ObjectRef], watch: list[ray.ObjectRef]) -> list[Any]:
-        """Results of `refs`; fails as soon as one of them or of `watch` (follower loops,
-        which only finish when their actor dies or errs) fails, or after step_timeout_s."""
+    def _wait_step(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """Results of `refs`; fails as soon as one fails, or after step_timeout_s."""
         deadline = time.monotonic() + self.step_timeout_s
-        pending = list(refs) + list(watch)
-        remaining = set(refs)
-        while remaining:
+        pending = list(refs)
+        while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 raise ExecutorError(self._timeout_message())
@@ -183,10 +187,41 @@ class RayExecutor(Executor):
                 ray.get(ready[0])
             except Exception as exc:  # noqa: BLE001
                 raise ExecutorError(self._failure_message(exc)) from exc
-            if ready[0] not in remaining:
-                raise ExecutorError("a tensor-parallel worker's follower loop ended unexpectedly")
-            remaining.discard(ready[0])
         return ray.get(list(refs))
+
+    # ---- gloo dispatch ------------------------------------------------------------------
+    def _start_control_loops(self) -> None:
+        host = ray.util.get_node_ip_address()
+        size = self.tensor_parallel_size + 1
+        self._control_store = make_control_store(host, 0, size, is_engine=True)
+        joins = [w.join_control_group.remote(host, self._control_store.port, self.step_timeout_s)
+                 for w in self.workers]
+        self._control = make_control_channel(self._control_store, 0, size, self.step_timeout_s)
+        self._get(joins, STARTUP_TIMEOUT_S, "control group setup")
+        self._loop_refs = [w.run_control_loop.remote() for w in self.workers]
+
+    def _execute_gloo(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            self._control.broadcast(scheduler_output)
+            reply = self._control.receive(src=1)
+        except RuntimeError as exc:
+            if "Timed out" in str(exc):
+                raise ExecutorError(self._timeout_message()) from None
+            raise ExecutorError(self._dead_worker_message(f"control group: {str(exc).splitlines()[0]}")) from exc
+        if isinstance(reply, tuple) and reply and reply[0] == "error":
+            raise ExecutorError(self._dead_worker_message(reply[1]))
+        return reply
+
+    def _dead_worker_message(self, fallback: str) -> str:
+        """Name the dead actor when Ray reports one shortly (a peer's failure is seen by gloo
+        before Ray has finished noticing the death); otherwise the gloo error itself."""
+        ready, _ = ray.wait(self._loop_refs, num_returns=1, timeout=2.0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as exc:  # noqa: BLE001
+                return self._failure_message(exc)
+        return f"a tensor-parallel worker failed: {fallback}"
 
     def _timeout_message(self) -> str:
         return (f"a tensor-parallel step did not return within step_timeout_s={self.step_timeout_s}s "
@@ -244,6 +279,7 @@ class RayExecutor(Executor):
                 pass
             finally:
                 dag_logger.setLevel(level)
+        self._control = self._control_store = None
         if self._created_pg is not None:
             remove_placement_group(self._created_pg)
             self._created_pg = None
@@ -254,8 +290,8 @@ class RayExecutor(Executor):
             if self._dag is not None:
                 dag, self._dag = self._dag, None
                 dag.teardown()
-            if self._follower_refs:
-                ray.get(workers[0].stop_follower_loops.remote(), timeout=HEALTH_TIMEOUT_S)
-                ray.wait(self._follower_refs, num_returns=len(self._follower_refs), timeout=HEALTH_TIMEOUT_S)
+            if self._control is not None:
+                self._control.broadcast(STOP)
+                ray.wait(self._loop_refs, num_returns=len(self._loop_refs), timeout=HEALTH_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - the workers are killed right after anyway
             logger.warning("tensor-parallel workers did not stop cleanly", exc_info=True)

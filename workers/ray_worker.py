@@ -9,10 +9,10 @@ Lifecycle, driven by `RayExecutor` (every step on every rank, in this order):
     init_kv_cache     the minimum over ranks' reports, allocated here
     execute_model     one step; rank 0 returns the sampled tokens, other ranks None
 
-For the broadcast dispatch, rank 0 gets the only Ray call of a step (`execute_model_broadcast`)
-and sends the SchedulerOutput over the gloo control group to ranks 1..N-1, which sit in
-`run_follower_loop`. The actor is threaded (max_concurrency=2) so `ping` answers while a
-step or the follower loop runs.
+With the gloo dispatch there is no Ray call per step: every rank sits in `run_control_loop`,
+receiving the SchedulerOutput the engine broadcasts over a control group of its own (engine +
+workers), and rank 0 sends its output back. The actor is threaded (max_concurrency=2) so `ping`
+answers while a step or the loop runs.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections import deque
 from datetime import timedelta
 
 import ray
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,43 +48,83 @@ def _free_port(host: str) -> int:
 
 
 class ControlChannel:
-    """Pickled Python objects broadcast from rank 0 over a gloo group, one collective per step.
+    """Pickled Python objects over a standalone gloo group: the engine (control rank 0)
+    broadcasts each step's SchedulerOutput, worker rank 0 (control rank 1) replies point to point.
 
-    The message travels in a fixed buffer: [8-byte length | payload]. A payload that does not
-    fit (a step admitting many long prompts) follows in a second broadcast of its exact size.
+    A message travels in a fixed buffer, [8-byte length | payload]: one collective per message.
+    A payload that does not fit (a step admitting many long prompts) follows in a second
+    message of its exact size. Gloo fails a pending operation as soon as a peer's connection
+    closes (a dead worker), or after the group's timeout (a hung one).
     """
 
     CAPACITY = 16 * 1024
+    ENGINE = 0
 
-    def __init__(self, rank: int, group) -> None:
-        self.rank = rank
+    def __init__(self, group) -> None:
         self.group = group
-        self.src = dist.get_global_rank(group, 0)
         self.buffer = torch.zeros(self.CAPACITY, dtype=torch.uint8)
+        self.view = self.buffer.numpy()
 
-    def send(self, obj) -> None:
+    def _pack(self, obj) -> bytes | None:
+        """Write obj into the buffer; return the payload when it must follow separately."""
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        n = len(payload)
-        self.buffer[:8] = torch.tensor(list(n.to_bytes(8, "little")), dtype=torch.uint8)
-        if n <= self.CAPACITY - 8:
-            self.buffer[8 : 8 + n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            dist.broadcast(self.buffer, self.src, group=self.group)
-            return
-        dist.broadcast(self.buffer, self.src, group=self.group)
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.src, group=self.group)
+        self.view[:8] = np.frombuffer(len(payload).to_bytes(8, "little"), dtype=np.uint8)
+        if len(payload) > self.CAPACITY - 8:
+            return payload
+        self.view[8 : 8 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        return None
 
-    def receive(self):
-        dist.broadcast(self.buffer, self.src, group=self.group)
-        n = int.from_bytes(bytes(self.buffer[:8].tolist()), "little")
+    def _unpack(self, receive_more):
+        n = int.from_bytes(self.view[:8].tobytes(), "little")
         if n <= self.CAPACITY - 8:
-            return pickle.loads(self.buffer[8 : 8 + n].numpy().tobytes())
+            return pickle.loads(self.view[8 : 8 + n].tobytes())
         big = torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(big, self.src, group=self.group)
+        receive_more(big)
         return pickle.loads(big.numpy().tobytes())
 
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = self.ENGINE
+        self.group.broadcast([tensor], options).wait()
 
-# Control messages of the broadcast dispatch.
-_STOP = "stop"
+    def broadcast(self, obj) -> None:
+        """Engine side: send obj to every worker."""
+        overflow = self._pack(obj)
+        self._broadcast(self.buffer)
+        if overflow is not None:
+            self._broadcast(torch.frombuffer(bytearray(overflow), dtype=torch.uint8))
+
+    def receive_broadcast(self):
+        """Worker side: the engine's next message."""
+        self._broadcast(self.buffer)
+        return self._unpack(self._broadcast)
+
+    def send(self, obj, dst: int) -> None:
+        overflow = self._pack(obj)
+        self.group.send([self.buffer], dst, 0).wait()
+        if overflow is not None:
+            self.group.send([torch.frombuffer(bytearray(overflow), dtype=torch.uint8)], dst, 0).wait()
+
+    def receive(self, src: int):
+        self.group.recv([self.buffer], src, 0).wait()
+        return self._unpack(lambda big: self.group.recv([big], src, 0).wait())
+
+
+# Control messages.
+STOP = "stop"
+_ERROR = "error"
+
+
+def make_control_store(host: str, port: int, size: int, is_engine: bool) -> dist.TCPStore:
+    """Rendezvous of the control group, hosted by the engine (port 0: a free port, read back
+    from `store.port` and passed to the workers through Ray)."""
+    return dist.TCPStore(host, port, size, is_engine, timedelta(seconds=300), wait_for_workers=False)
+
+
+def make_control_channel(store: dist.TCPStore, rank: int, size: int, timeout_s: float) -> ControlChannel:
+    """Join the control group (blocks until all `size` members have joined). It is apart from
+    torch.distributed's default group; its timeout bounds every wait (the step timeout)."""
+    return ControlChannel(dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s)))
 
 
 class Worker:
@@ -112,9 +153,6 @@ class Worker:
         backend = "nccl" if self.config.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
-        # Control messages always travel on CPU tensors, whatever the model's backend.
-        control_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-        self.control = ControlChannel(self.rank, control_group)
         tp = TPGroup(rank=self.rank, world_size=self.world_size, group=dist.group.WORLD)
         self.core = WorkerCore(self.config, tp)
 
@@ -138,22 +176,30 @@ class Worker:
             self.forward_times.append(time.perf_counter() - start)
             return result
 
-    def execute_model_broadcast(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Rank 0: hand the step to the other ranks over the control group, then run it."""
-        self.control.send(scheduler_output)
-        return self.execute_model(scheduler_output)
+    def join_control_group(self, host: str, port: int, timeout_s: float) -> None:
+        """Gloo dispatch: join the engine's control group as control rank (rank + 1)."""
+        size = self.world_size + 1
+        self._control_store = make_control_store(host, port, size, is_engine=False)
+        self.control = make_control_channel(self._control_store, self.rank + 1, size, timeout_s)
 
-    def run_follower_loop(self) -> None:
-        """Ranks 1..N-1 of the broadcast dispatch: execute every step rank 0 sends until stop."""
+    def run_control_loop(self) -> None:
+        """Gloo dispatch: execute every SchedulerOutput the engine broadcasts until stop; rank 0
+        replies with its ModelRunnerOutput (or the error that ended its step)."""
         while True:
-            message = self.control.receive()
-            if message == _STOP:
+            message = self.control.receive_broadcast()
+            if message == STOP:
                 return
-            self.execute_model(message)
-
-    def stop_follower_loops(self) -> None:
-        """Rank 0: release the followers (before the actors are killed on a clean shutdown)."""
-        self.control.send(_STOP)
+            try:
+                result = self.execute_model(message)
+            except Exception as exc:
+                if self.rank == 0:
+                    self.control.send((_ERROR, f"rank 0: {type(exc).__name__}: {exc}"), ControlChannel.ENGINE)
+                    raise
+                # Exit so that the peers' pending collectives fail at once instead of timing out.
+                logger.exception("tensor-parallel rank %d failed a step; exiting", self.rank)
+                os._exit(1)
+            if self.rank == 0:
+                self.control.send(result, ControlChannel.ENGINE)
 
     # ---- introspection ------------------------------------------------------------------
     def ping(self) -> int:
