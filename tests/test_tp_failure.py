@@ -3,7 +3,8 @@
 * a worker actor killed during generation: every in-flight request ends with an error naming the
   dead worker within seconds, and the engine and executor report unhealthy;
 * a worker killed while idle: `check_health` notices at once, the next step raises;
-* a hung worker (SIGSTOP): the step raises ExecutorError after step_timeout_s.
+* a hung worker (SIGSTOP): the step raises ExecutorError after step_timeout_s;
+* an engine idle for longer than step_timeout_s still runs steps (only steps have a deadline).
 """
 
 from __future__ import annotations
@@ -107,6 +108,20 @@ def test_worker_killed_while_idle_fails_health_check_at_once(ray_cluster, tiny_m
         engine.add_request("after-kill", PROMPT, SamplingParams(max_tokens=4))
         with pytest.raises(ExecutorError, match="worker actor died"):
             engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_idle_longer_than_the_step_timeout_is_fine(ray_cluster, tiny_model):
+    """Workers wait for the next step as long as the engine idles; only a step has a deadline."""
+    engine = make_engine(make_config(tiny_model, step_timeout_s=1.0))
+    try:
+        for i in range(2):
+            engine.add_request(f"idle-{i}", PROMPT, SamplingParams(max_tokens=3, temperature=0.0))
+            while engine.has_unfinished_requests():
+                engine.step()
+            time.sleep(2.5)
+        engine.executor.check_health()
     finally:
         engine.shutdown()
 

@@ -37,6 +37,9 @@ from workers.worker import WorkerConfig, WorkerCore, WorkerLoadReport
 
 logger = logging.getLogger(__name__)
 
+# How long a worker waits for the engine's next step before its control loop gives up (the
+# engine idles for as long as no request comes; it ends the workers itself when it goes).
+WORKER_IDLE_TIMEOUT_S = 365 * 24 * 3600.0
 # Forward times kept per rank for `take_forward_times` (benchmarks read the slowest rank's).
 _FORWARD_TIMES_KEPT = 4096
 
@@ -176,11 +179,15 @@ class Worker:
             self.forward_times.append(time.perf_counter() - start)
             return result
 
-    def join_control_group(self, host: str, port: int, timeout_s: float) -> None:
-        """Gloo dispatch: join the engine's control group as control rank (rank + 1)."""
+    def join_control_group(self, host: str, port: int) -> None:
+        """Gloo dispatch: join the engine's control group as control rank (rank + 1).
+
+        Gloo timeouts are per process: the engine's side is the step timeout, a worker's is
+        WORKER_IDLE_TIMEOUT_S, since a worker waits for the next step as long as the server idles.
+        """
         size = self.world_size + 1
         self._control_store = make_control_store(host, port, size, is_engine=False)
-        self.control = make_control_channel(self._control_store, self.rank + 1, size, timeout_s)
+        self.control = make_control_channel(self._control_store, self.rank + 1, size, WORKER_IDLE_TIMEOUT_S)
 
     def run_control_loop(self) -> None:
         """Gloo dispatch: execute every SchedulerOutput the engine broadcasts until stop; rank 0
