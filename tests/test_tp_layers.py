@@ -5,6 +5,7 @@ from the same seed, loads its shard through the layer's weight loader, runs the 
 with the unsharded computation and writes the worst absolute error of every check to a JSON file.
 The tests below read those files. Memory: each rank's parameters of a tiny Llama loaded from
 safetensors take at most 1/N of the sharded weights plus the replicated ones (the norms).
+The dispatch's control channel (small and buffer-overflowing messages) is checked there too.
 """
 
 from __future__ import annotations
@@ -125,7 +126,27 @@ def _param_bytes(model_path: str, tp) -> dict[str, int]:
             "sharded": sharded, "replicated": replicated}
 
 
-def _run_rank(rank: int, port: int, out_dir: str, model_path: str) -> None:
+def _check_control_channel(rank: int, store_port: int) -> float:
+    """The gloo dispatch's channel: rank 0 plays the engine (control rank 0). Small and large
+    (overflowing the fixed buffer) messages both ways; 0.0 when all arrive intact."""
+    from workers.ray_worker import ControlChannel, make_control_channel, make_control_store
+
+    store = make_control_store("127.0.0.1", store_port, WORLD_SIZE, is_engine=rank == 0)
+    channel = make_control_channel(store, rank, WORLD_SIZE, timeout_s=60)
+    small = {"step": 1, "ids": list(range(100))}
+    large = {"step": 2, "ids": list(range(50_000))}  # ~150 KB pickled > ControlChannel.CAPACITY
+    if rank == 0:
+        channel.broadcast(small)
+        channel.broadcast(large)
+        replies = [channel.receive(src=1), channel.receive(src=1)]
+        return 0.0 if replies == [large, small] else 1.0
+    received = [channel.receive_broadcast(), channel.receive_broadcast()]
+    channel.send(large, ControlChannel.ENGINE)
+    channel.send(small, ControlChannel.ENGINE)
+    return 0.0 if received == [small, large] else 1.0
+
+
+def _run_rank(rank: int, port: int, out_dir: str, model_path: str, store_port: int) -> None:
     import torch.distributed as dist
 
     from workers.parallel_state import TPGroup
@@ -142,6 +163,7 @@ def _run_rank(rank: int, port: int, out_dir: str, model_path: str) -> None:
         "embedding": lambda: _check_embedding(tp),
         "lm_head": lambda: _check_lm_head(tp),
         "param_bytes": lambda: _param_bytes(model_path, tp),
+        "control_channel": lambda: _check_control_channel(rank, store_port),
     }
     for name, check in checks.items():
         try:
@@ -158,14 +180,18 @@ def rank_results(tmp_path_factory) -> list[dict]:
 
     model_path = make_tiny_llama(tmp_path_factory.mktemp("tiny-layers"), num_heads=8, num_kv_heads=4)
     out_dir = tmp_path_factory.mktemp("tp-layer-results")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(_run_rank, args=(port, str(out_dir), model_path), nprocs=WORLD_SIZE, join=True)
+    ports = []
+    for _ in range(2):  # the default group's rendezvous, the control group's store
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    torch.multiprocessing.spawn(_run_rank, args=(ports[0], str(out_dir), model_path, ports[1]),
+                                nprocs=WORLD_SIZE, join=True)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
 
 
-@pytest.mark.parametrize("check", ["column", "qkv_split_kv", "qkv_replicated_kv", "row", "embedding", "lm_head"])
+@pytest.mark.parametrize("check", ["column", "qkv_split_kv", "qkv_replicated_kv", "row", "embedding", "lm_head",
+                                   "control_channel"])
 def test_sharded_layer_equals_unsharded(rank_results, check):
     for rank, results in enumerate(rank_results):
         error = results[check]
