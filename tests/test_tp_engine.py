@@ -76,12 +76,17 @@ def hf_greedy(model_path: str, prompts: list[list[int]]) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
     cache, generated = None, []
-    with torch.inference_mode():
-        for _ in range(MAX_TOKENS):
-            out = model(ids, cache=cache, use_cache=True)
-            cache = out.cache
-            ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-            generated.append(ids[:, 0].tolist())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: OpenMP spin-waits crawl on a loaded 2-core machine
+    try:
+        with torch.inference_mode():
+            for _ in range(MAX_TOKENS):
+                out = model(ids, cache=cache, use_cache=True)
+                cache = out.cache
+                ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+                generated.append(ids[:, 0].tolist())
+    finally:
+        torch.set_num_threads(threads)
     return [list(tokens) for tokens in zip(*generated)]
 
 
@@ -98,7 +103,7 @@ def run_engine(model_path: str, prompts: list[list[int]], tensor_parallel_size: 
     """Greedy outputs of every prompt (all submitted at once) and the number of preemptions."""
     config = TpserveConfig(model=model_path, tensor_parallel_size=tensor_parallel_size, block_size=BLOCK_SIZE,
                            max_model_len=256, kv_cache_memory_gib=overrides.pop("kv_cache_memory_gib", 0.05),
-                           enable_prefix_caching=False, dtype="float32", **overrides)
+                           enable_prefix_caching=False, dtype="float32", cpu_threads=1, **overrides)
     engine = LLMEngine(config)
     try:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
