@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tpserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench bench-offline bench-serve model clean
+.PHONY: install serve test bench bench-offline bench-serve bench-tp model clean
 
 install: $(STAMP) model
 
@@ -28,13 +28,16 @@ serve: install
 test: install
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
-bench: install bench-offline bench-serve
+bench: install bench-offline bench-serve bench-tp
 
 bench-offline:
 	$(PY) -m bench.offline_throughput
 
 bench-serve:
 	$(PY) -m bench.serve_compare
+
+bench-tp:
+	$(PY) -m bench.tp_dispatch
 
 clean:
 	rm -rf $(VENV) .pytest_cache

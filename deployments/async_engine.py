@@ -24,6 +24,10 @@ from scheduler.sampling_params import SamplingParams
 logger = logging.getLogger("tpserve")
 
 
+# While idle, gauges are set again this often (Ray's export drops gauges left unset).
+_IDLE_GAUGE_REFRESH_S = 5.0
+
+
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full: the client should retry later (503 + Retry-After)."""
 
@@ -191,7 +195,7 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.clear()
                     if not self._pending_adds and not self._pending_aborts:
-                        await self._wakeup.wait()
+                        await self._wait_for_work()
                     continue
                 future = loop.run_in_executor(self._step_thread, self.engine.step)
                 outputs = await asyncio.wait_for(future, timeout=self.config.step_timeout_s)
@@ -205,6 +209,13 @@ class AsyncEngine:
                       f"engine failure: {type(exc).__name__}: {exc}")
             logger.exception("tpserve engine loop stopped: %s", reason)
             self._fail_all(reason)
+
+    async def _wait_for_work(self) -> None:
+        """Sleep until a request or abort arrives, refreshing the gauges now and then."""
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout=_IDLE_GAUGE_REFRESH_S)
+        except TimeoutError:
+            self.metrics.refresh_gauges()
 
     def _fail_all(self, reason: str) -> None:
         self._dead_reason = reason

@@ -65,8 +65,18 @@ def resolve_model_path(config: TpserveConfig) -> str:
     return str(ensure_default_model())
 
 
+def worker_device(config: TpserveConfig) -> str:
+    """Where the ranks run. With TP > 1 the replica holds no GPU itself (its workers do), so the
+    cluster is asked rather than this process."""
+    if config.tensor_parallel_size > 1:
+        from workers.placement import cluster_has_gpus
+
+        return "cuda" if cluster_has_gpus() else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_model_len: int) -> WorkerConfig:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = worker_device(config)
     return WorkerConfig(
         model_path=model_config.path,
         dtype=resolve_dtype(config.dtype, device),
@@ -95,7 +105,7 @@ def make_executor(config: TpserveConfig, worker_config: WorkerConfig) -> Executo
     from workers.ray_executor import RayExecutor
 
     return RayExecutor(worker_config, config.tensor_parallel_size, config.placement_strategy,
-                       step_timeout_s=config.step_timeout_s)
+                       step_timeout_s=config.step_timeout_s, num_threads_per_rank=config.cpu_threads)
 
 
 class LLMEngine:

@@ -71,10 +71,19 @@ class EngineMetrics:
         info = cache_config_info(cfg.block_size, usable, cfg.max_model_len, tp,
                                  cfg.enable_prefix_caching, engine.worker_config.dtype)
         self._scheduler = engine.scheduler
+        self._cache_config_info = info
         # The gauges describe the empty cache from the start, not zero blocks until a first step.
+        self.refresh_gauges()
+
+    def refresh_gauges(self) -> None:
+        """Set the state gauges and the info gauge again. Called at start and periodically while
+        the engine idles: Ray's metrics export drops gauges that are not set for a while, so an
+        idle replica would otherwise vanish from the Ray-side KV and queue series."""
+        if self._scheduler is None:
+            return
         state = self._scheduler.state_stats()
         for stat_logger in self.loggers:
-            stat_logger.log_cache_config(info)
+            stat_logger.log_cache_config(self._cache_config_info)
             stat_logger.record_state(state)
 
     # ---- per step -----------------------------------------------------------------------

@@ -369,16 +369,23 @@ def test_ray_metrics_agent_serves_the_same_metrics(http, tpserve_server, poll):
         samples = samples_of(f for f in text_string_to_metric_families(text) if "tpserve" in f.name)
         state["samples"] = samples
         names = set(samples)
-        if not all("ray_" + name in names for name in gauges + counters):
-            return False
-        if not all(f"ray_{name}_count" in names for name in histograms):
+        state["missing"] = [n for n in ["ray_" + g for g in gauges + counters]
+                            + [f"ray_{h}_count" for h in histograms] if n not in names]
+        if state["missing"]:
             return False
         # Ray exports every few seconds: wait until it has caught up with /metrics (a quiet server).
         generated = [s.value for s in samples["ray_tpserve_generation_tokens_total"]
                      if s.labels.get("model_name") == tpserve_server.model_name]
+        state["generated"] = generated
         return total(served, "tpserve_generation_tokens_total") in generated
 
-    poll(exported, 60, "Ray's metrics agent to export tpserve's metrics", poll_s=1.0)
+    try:
+        poll(exported, 60, "Ray's metrics agent to export tpserve's metrics", poll_s=1.0)
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}; missing in Ray's export: {state.get('missing')}; Ray generation counters "
+            f"{state.get('generated')} vs /metrics {total(served, 'tpserve_generation_tokens_total')}"
+        ) from None
     samples = state["samples"]
     for name in ("ray_tpserve_kv_cache_used_tokens", "ray_tpserve_request_success_total",
                  "ray_tpserve_time_to_first_token_seconds_count", "ray_tpserve_cache_config_info"):
