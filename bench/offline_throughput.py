@@ -97,20 +97,21 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-cache-memory-gib", type=float, default=4.0)
+    parser.add_argument("--dtype", default="float32", help="engine dtype (HF always runs float32)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-metrics-cost", action="store_true")
     args = parser.parse_args()
 
-    config = TpserveConfig(model=args.model, dtype="float32", max_num_seqs=args.max_num_seqs,
+    config = TpserveConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            kv_cache_memory_gib=args.kv_cache_memory_gib, enable_prefix_caching=False)
     engine = LLMEngine(config)
     workload = make_workload(args.num_requests, args.seed, engine.model_config.vocab_size,
                              tuple(args.prompt_len), tuple(args.output_len))
-    run_engine(engine, workload[:4], None)  # warm-up
+    run_engine(engine, workload[:16], None)  # warm-up: kernels for the shapes that follow
     result = {"workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                            "output_len": args.output_len, "seed": args.seed},
-              "torch_threads": torch.get_num_threads()}
+              "torch_threads": torch.get_num_threads(), "dtype": args.dtype}
     result["tpserve"] = run_engine(engine, workload, None)
     if not args.skip_metrics_cost:
         metrics = EngineMetrics(
