@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from deployments.config import TpserveConfig
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.outputs import PositionLogprobs, RequestOutput, TokenLogprob
-from metrics.events import RequestEvent
 from metrics.stats import IterationStats
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import SampledLogprobs
@@ -31,12 +30,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineRequestState:
-    """Engine-side bookkeeping of one request that the scheduler does not need."""
+    """Engine-side bookkeeping of one request that the scheduler does not need.
+
+    (Event histories live in deployments.engine_metrics, which sees every RequestOutput.)
+    """
 
     # Incremental detokenizer.
     detokenizer: IncrementalDetokenizer
-    # Every event recorded for the request so far (timelines, finished stats).
-    events: list[RequestEvent] = field(default_factory=list)
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -232,7 +232,6 @@ class LLMEngine:
         finished = request.status.is_finished
         state = self._states[request.request_id] if not finished else self._states.pop(request.request_id)
         new_events = request.take_events()
-        state.events.extend(new_events)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=list(new_token_ids),
