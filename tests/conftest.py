@@ -110,3 +110,9 @@ def tpserve_server() -> Iterator[TpserveServer]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the Ray-exporter unit tests first: they start a Ray of their own (to choose its
+    metrics port), which they cannot once the session Serve fixture has Ray running here."""
+    items.sort(key=lambda item: 0 if item.path.name == "test_metrics_exporters.py" else 1)
