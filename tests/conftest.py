@@ -116,3 +116,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the Ray-exporter unit tests first: they start a Ray of their own (to choose its
     metrics port), which they cannot once the session Serve fixture has Ray running here."""
     items.sort(key=lambda item: 0 if item.path.name == "test_metrics_exporters.py" else 1)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A Ray for worker-actor tests: the running one if any (the session Serve fixture's), else
+    a module-local one with 8 logical CPUs (one per worker actor; cores are shared by threads)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    yield
+    if started:
+        ray.shutdown()

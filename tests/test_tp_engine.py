@@ -41,19 +41,6 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        # Logical CPUs: one per worker actor; the machine's cores are shared out by threads.
-        ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-h8-kv4"), num_heads=8, num_kv_heads=4)
 

@@ -30,16 +30,6 @@ PROMPT = [1, 504, 2001, 97, 3300, 12, 44, 9000]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-failure"), num_heads=8, num_kv_heads=4)
 
