@@ -18,8 +18,8 @@ import time
 import torch
 
 from deployments.config import TpserveConfig
-from deployments.engine import LLMEngine
-from deployments.engine_metrics import EngineMetrics
+from deployments.engine.engine import LLMEngine
+from deployments.engine.engine_metrics import EngineMetrics
 from metrics.logging_logger import LoggingStatLogger
 from metrics.prometheus_logger import PrometheusStatLogger
 from scheduler.sampling_params import SamplingParams

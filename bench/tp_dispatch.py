@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from deployments.config import TpserveConfig
-from deployments.engine import LLMEngine, make_worker_config
+from deployments.engine.engine import LLMEngine, make_worker_config
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from workers.executor import Executor, InProcessExecutor

@@ -19,8 +19,8 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 
-from deployments.api_server import make_api
-from deployments.async_engine import AsyncEngine
+from deployments.http.api_server import make_api
+from deployments.engine.async_engine import AsyncEngine
 from deployments.config import TpserveConfig
 
 logger = logging.getLogger(__name__)

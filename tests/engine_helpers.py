@@ -7,7 +7,7 @@ import functools
 import torch
 
 from deployments.config import TpserveConfig
-from deployments.engine import LLMEngine
+from deployments.engine.engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
 from workers.kv_cache import KVCacheSpec
 from workers.model_config import ModelConfig

@@ -8,7 +8,7 @@
   scheduled tokens reach its known tokens. Sampled ids come from `token_fn(req_id, i)` (the
   request's i-th output token) or a per-request script, so a recomputed request must produce
   exactly the tokens it would have produced without preemption.
-- `step` runs one engine step (schedule -> execute -> update -> stats, as deployments/engine.py),
+- `step` runs one engine step (schedule -> execute -> update -> stats, as deployments/engine/engine.py),
   checking `check_invariants` after `schedule()` and after the update.
 - `run_until_done` drives the scheduler to completion, then delivers the last finished ids to the
   workers and checks that nothing is left: no used block, no used token, no worker state.

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.engine_metrics import EngineMetrics
+from deployments.engine.engine_metrics import EngineMetrics
 from engine_helpers import greedy, kv_gib_for_blocks, make_engine
 from metrics.events import EventType as E
 from metrics.events import RequestEvent, now

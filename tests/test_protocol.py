@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from deployments.errors import from_validation_errors
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.http.errors import from_validation_errors
+from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def completion(**fields):

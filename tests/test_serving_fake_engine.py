@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from deployments.api_server import make_api
-from deployments.async_engine import EngineDeadError, EngineOverloadedError
-from deployments.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from deployments.http.api_server import make_api
+from deployments.engine.exceptions import EngineDeadError, EngineOverloadedError
+from deployments.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from scheduler.sampling_params import SamplingParams
 
 

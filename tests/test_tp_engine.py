@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deployments.config import TpserveConfig
-from deployments.engine import LLMEngine
+from deployments.engine.engine import LLMEngine
 from model_fixtures import default_model_path, make_tiny_llama
 from scheduler.sampling_params import SamplingParams
 from workers.kv_cache import GiB, kv_spec_for

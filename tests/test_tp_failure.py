@@ -17,9 +17,9 @@ import time
 import pytest
 import ray
 
-from deployments.async_engine import AsyncEngine
+from deployments.engine.async_engine import AsyncEngine
 from deployments.config import TpserveConfig
-from deployments.engine import LLMEngine, make_worker_config
+from deployments.engine.engine import LLMEngine, make_worker_config
 from model_fixtures import make_tiny_llama
 from scheduler.sampling_params import SamplingParams
 from workers.executor import ExecutorError

@@ -38,7 +38,7 @@ WARMUP_STEPS = 16
 
 def make_engine(path: str, enforce_eager: bool, dtype: str, **config_overrides):
     from deployments.config import TpserveConfig
-    from deployments.engine import LLMEngine, make_worker_config
+    from deployments.engine.engine import LLMEngine, make_worker_config
     from workers.executor import InProcessExecutor
     from workers.model_config import ModelConfig
 
@@ -127,8 +127,8 @@ async def http_load(path: str, dtype: str, enforce_eager: bool, num_requests: in
     import httpx
     import uvicorn
 
-    from deployments.api_server import make_api
-    from deployments.async_engine import AsyncEngine
+    from deployments.http.api_server import make_api
+    from deployments.engine.async_engine import AsyncEngine
 
     config, engine = make_engine(path, enforce_eager, dtype)
     app = make_api(AsyncEngine(config, engine=engine))

@@ -104,7 +104,7 @@ def test_graph_replay_matches_eager(worker_pair, batch_size):
 
 def test_engine_on_gpu_defaults_to_bf16_and_replays(model_path):
     from deployments.config import TpserveConfig
-    from deployments.engine import LLMEngine
+    from deployments.engine.engine import LLMEngine
     from scheduler.sampling_params import SamplingParams
 
     engine = LLMEngine(TpserveConfig(model=model_path, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,

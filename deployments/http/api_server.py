@@ -16,7 +16,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from deployments.errors import (
+from deployments.http.errors import (
     APIError,
     bad_request,
     from_validation_errors,
@@ -24,10 +24,10 @@ from deployments.errors import (
     model_not_found,
     not_found,
 )
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
-from deployments.serving_chat import ChatServing
-from deployments.serving_completions import CompletionServing
-from deployments.serving_common import created_ts
+from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.http.serving_chat import ChatServing
+from deployments.http.serving_completions import CompletionServing
+from deployments.http.serving_common import created_ts
 from metrics.events import now
 
 # Prometheus text exposition format, version 0.0.4.

@@ -10,11 +10,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from deployments.config import TpserveConfig
-from deployments.detokenizer import IncrementalDetokenizer
-from deployments.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from deployments.engine.detokenizer import IncrementalDetokenizer
+from deployments.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from metrics.stats import IterationStats
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import SampledLogprobs
@@ -23,6 +21,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from workers.executor import Executor
 from workers.model_config import ModelConfig
+from workers.runtime import make_executor, resolve_dtype, set_cpu_threads, worker_device
 from workers.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -32,29 +31,11 @@ logger = logging.getLogger(__name__)
 class EngineRequestState:
     """Engine-side bookkeeping of one request that the scheduler does not need.
 
-    (Event histories live in deployments.engine_metrics, which sees every RequestOutput.)
+    (Event histories live in deployments.engine.engine_metrics, which sees every RequestOutput.)
     """
 
     # Incremental detokenizer.
     detokenizer: IncrementalDetokenizer
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run ~2x faster than fp32 (measured 0.63 vs 1.43 ms
-    for a 32 x 576 x 3072 linear on this machine's EPYC, one thread)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return "avx512_bf16" in flags.split() or "amx_bf16" in flags.split()
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """"auto": bfloat16 on GPU and on CPUs with native bf16 dot products, else float32."""
-    if name == "auto":
-        return torch.bfloat16 if device == "cuda" or cpu_has_fast_bf16() else torch.float32
-    return getattr(torch, name)
 
 
 def resolve_model_path(config: TpserveConfig) -> str:
@@ -65,18 +46,8 @@ def resolve_model_path(config: TpserveConfig) -> str:
     return str(ensure_default_model())
 
 
-def worker_device(config: TpserveConfig) -> str:
-    """Where the ranks run. With TP > 1 the replica holds no GPU itself (its workers do), so the
-    cluster is asked rather than this process."""
-    if config.tensor_parallel_size > 1:
-        from workers.placement import cluster_has_gpus
-
-        return "cuda" if cluster_has_gpus() else "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_model_len: int) -> WorkerConfig:
-    device = worker_device(config)
+    device = worker_device(config.tensor_parallel_size)
     return WorkerConfig(
         model_path=model_config.path,
         dtype=resolve_dtype(config.dtype, device),
@@ -89,23 +60,6 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
         max_num_seqs=config.max_num_seqs,
         max_cuda_graph_batch_size=config.max_cuda_graph_batch_size,
     )
-
-
-def set_cpu_threads(cpu_threads: int | None) -> None:
-    import os
-
-    torch.set_num_threads(cpu_threads or len(os.sched_getaffinity(0)))
-
-
-def make_executor(config: TpserveConfig, worker_config: WorkerConfig) -> Executor:
-    if config.tensor_parallel_size == 1:
-        from workers.executor import InProcessExecutor
-
-        return InProcessExecutor(worker_config)
-    from workers.ray_executor import RayExecutor
-
-    return RayExecutor(worker_config, config.tensor_parallel_size, config.placement_strategy,
-                       step_timeout_s=config.step_timeout_s, num_threads_per_rank=config.cpu_threads)
 
 
 class LLMEngine:
@@ -124,7 +78,9 @@ class LLMEngine:
         )
         self.served_model_name = config.served_model_name or model_path.rstrip("/").rsplit("/", 1)[-1]
         self.worker_config = make_worker_config(config, self.model_config, self.max_model_len)
-        self.executor = executor or make_executor(config, self.worker_config)
+        self.executor = executor or make_executor(
+            self.worker_config, config.tensor_parallel_size, config.placement_strategy,
+            config.step_timeout_s, config.cpu_threads)
         self.load_reports = self.executor.load()
         num_blocks = min(r.num_blocks for r in self.load_reports)
         if num_blocks < 2:

@@ -13,10 +13,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from deployments.choice_streams import EngineStreamResponse
-from deployments.outputs import PositionLogprobs, RequestOutput
-from deployments.protocol import CompletionRequest
-from deployments.serving_common import (
+from deployments.http.choice_streams import EngineStreamResponse
+from deployments.engine.outputs import PositionLogprobs, RequestOutput
+from deployments.http.protocol import CompletionRequest
+from deployments.http.serving_common import (
     ChoiceProgress,
     ResponseRun,
     check_model,

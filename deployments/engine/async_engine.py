@@ -14,9 +14,10 @@ import sys
 from collections.abc import AsyncIterator
 
 from deployments.config import TpserveConfig
-from deployments.engine import LLMEngine
-from deployments.engine_metrics import EngineMetrics
-from deployments.outputs import RequestOutput
+from deployments.engine.engine import LLMEngine
+from deployments.engine.engine_metrics import EngineMetrics
+from deployments.engine.exceptions import EngineDeadError, EngineOverloadedError
+from deployments.engine.outputs import RequestOutput
 from metrics.events import EventType
 from metrics.logging_logger import LoggingStatLogger
 from metrics.prometheus_logger import PrometheusStatLogger
@@ -28,14 +29,6 @@ logger = logging.getLogger("tpserve")
 _GIL_SWITCH_INTERVAL_S = 0.0005
 # While idle, gauges are set again this often (Ray's export drops gauges left unset).
 _IDLE_GAUGE_REFRESH_S = 5.0
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full: the client should retry later (503 + Retry-After)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine failed (a worker died, a step errored or timed out); the replica is unhealthy."""
 
 
 class AsyncEngine:

@@ -18,8 +18,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from deployments.errors import APIError, from_engine_exception
-from deployments.outputs import RequestOutput
+from deployments.http.errors import APIError, from_engine_exception
+from deployments.engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

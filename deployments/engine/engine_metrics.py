@@ -12,7 +12,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from deployments.outputs import RequestOutput
+from deployments.engine.outputs import RequestOutput
 from metrics.events import EventType, RequestEvent, now
 from metrics.intervals import compute_intervals, make_finished_stats
 from metrics.startup import (

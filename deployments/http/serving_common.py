@@ -15,10 +15,10 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
-from deployments.choice_streams import ChoiceSpec, ChoiceStreams, EngineStreamResponse, make_choice_specs
-from deployments.errors import APIError, bad_request, model_not_found
-from deployments.outputs import RequestOutput
-from deployments.protocol import SamplingRequest
+from deployments.http.choice_streams import ChoiceSpec, ChoiceStreams, EngineStreamResponse, make_choice_specs
+from deployments.http.errors import APIError, bad_request, model_not_found
+from deployments.engine.outputs import RequestOutput
+from deployments.http.protocol import SamplingRequest
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

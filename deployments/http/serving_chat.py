@@ -13,11 +13,11 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from deployments.choice_streams import EngineStreamResponse
-from deployments.errors import bad_request
-from deployments.outputs import PositionLogprobs, RequestOutput, TokenLogprob
-from deployments.protocol import ChatCompletionRequest
-from deployments.serving_common import ChoiceProgress, ResponseRun, check_model, resolve_max_tokens
+from deployments.http.choice_streams import EngineStreamResponse
+from deployments.http.errors import bad_request
+from deployments.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from deployments.http.protocol import ChatCompletionRequest
+from deployments.http.serving_common import ChoiceProgress, ResponseRun, check_model, resolve_max_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ defines but tpserve cannot honour (`suffix`, tools, `logit_bias`, JSON response 
 `best_of` > n, prompt logprobs through `echo`) are declared here and rejected with a 400, so a
 client never silently gets something other than what it asked for.
 
-Validation errors raised here become 400 OpenAI errors naming the field (deployments/errors.py).
+Validation errors raised here become 400 OpenAI errors naming the field (deployments/http/errors.py).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.async_engine import EngineDeadError, EngineOverloadedError
+from deployments.engine.exceptions import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
