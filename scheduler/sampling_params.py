@@ -6,6 +6,18 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class StructuredOutputSpec:
+    """What the output must parse as (the OpenAI `response_format`); the engine turns it into a
+    grammar and the sampler into a token mask per step."""
+
+    # "json_object" (any JSON object) or "json_schema" (JSON valid against `json_schema`).
+    kind: str
+    # The schema as canonical JSON text (sorted keys; "" for json_object): hashable, so a
+    # compiled grammar is cached per schema.
+    json_schema: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     # Most tokens to generate.
     max_tokens: int = 16
@@ -37,6 +49,8 @@ class SamplingParams:
     logprobs: int | None = None
     # Skip special tokens when detokenizing.
     skip_special_tokens: bool = True
+    # Constrain the output to a grammar (None = free text). The engine keeps the matcher.
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         # Tuples keep the object hashable and cheap to pickle; accept lists from callers.
