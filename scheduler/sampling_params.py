@@ -12,8 +12,8 @@ class StructuredOutputSpec:
 
     # "json_object" (any JSON object) or "json_schema" (JSON valid against `json_schema`).
     kind: str
-    # The schema as canonical JSON text (sorted keys; "" for json_object): hashable, so a
-    # compiled grammar is cached per schema.
+    # The schema as JSON text in the client's key order (properties are generated in declared
+    # order, so keys must not be sorted); "" for json_object. Hashable: grammars cache per schema.
     json_schema: str = ""
 
 
