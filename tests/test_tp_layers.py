@@ -107,10 +107,10 @@ def _param_bytes(model_path: str, tp) -> dict[str, int]:
     """This rank's parameter bytes vs the checkpoint's sharded and replicated bytes."""
     from safetensors import safe_open
 
-    from workers.llama import LlamaForCausalLM
+    from workers.decoder import DecoderForCausalLM
     from workers.model_config import ModelConfig
 
-    model = LlamaForCausalLM(ModelConfig.from_pretrained(model_path), tp)
+    model = DecoderForCausalLM(ModelConfig.from_pretrained(model_path), tp)
     model.load_weights(model_path)
     sharded = replicated = 0
     for file in Path(model_path).glob("*.safetensors"):

@@ -13,7 +13,7 @@ folded into the query-length dimension (decode) or passed with enable_gqa (prefi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +52,9 @@ class AttentionMetadata:
     # Decode-only GPU steps (graph runner): the graph-safe decode kernel and its static
     # addressing; the decode_* fields above are then unused. None on CPU and for mixed steps.
     gpu_decode: DecodeAttention | None = None
+    # Sliding-window variants of the masks, built by the first layer that needs them this step
+    # and reused by the others: (kind, window) -> mask.
+    window_masks: dict = field(default_factory=dict)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -73,15 +76,66 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     return gathered.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, kv_heads, head_dim)
 
 
+def window_mask(query_positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """[Q, num_keys] True where key j is visible from the query at position p: j <= p and, with a
+    window, p - j < window (HF's sliding-window convention)."""
+    keys = torch.arange(num_keys, device=query_positions.device)[None, :]
+    p = query_positions[:, None]
+    visible = keys <= p
+    return visible & (keys > p - window) if window is not None else visible
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           soft_cap: float | None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA over [B, H, Q, D] x [B, KVH, L, D]; with a soft cap, the eager form HF uses (SDPA has
+    no hook between the scores and the softmax): cap * tanh(scores / cap), mask, fp32 softmax."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    if q.shape[1] != k.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+    """The decode mask, narrowed to the window (computed once per step and window)."""
+    if window is None:
+        return meta.decode_mask
+    cached = meta.window_masks.get(("decode", window))
+    if cached is None:
+        # Context lengths from the mask itself: the model runner masks positions >= context_len.
+        context_lens = meta.decode_mask.sum(dim=-1, keepdim=True)
+        keys = torch.arange(meta.decode_mask.shape[-1], device=context_lens.device)
+        cached = meta.decode_mask & (keys > context_lens - 1 - window)
+        meta.window_masks[("decode", window)] = cached
+    return cached
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] (this step's tokens) -> attention output [T, H * D]."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (this step's tokens) -> attention output [T, H * D].
+
+    sliding_window: keys more than window - 1 positions behind a query are masked (None: full).
+    soft_cap: attention scores capped as cap * tanh(scores / cap) before the softmax (None: not).
+    """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = num_heads // kv_heads
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if meta.gpu_decode is not None:
-        return meta.gpu_decode.forward(q, k_cache, v_cache, scale)
+        # Only the options a layer uses are passed, so kernels without them still serve Llama.
+        extras = {name: value for name, value in (("sliding_window", sliding_window),
+                                                  ("logits_soft_cap", soft_cap)) if value is not None}
+        return meta.gpu_decode.forward(q, k_cache, v_cache, scale, **extras)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
 
     nd = meta.num_decodes
@@ -91,19 +145,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         vd = gather_blocks(v_cache, meta.decode_block_tables).transpose(1, 2)
         # The G query heads of one KV head become G "query positions" of that head.
         qd = q[:nd].view(nd, kv_heads, group, head_dim)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        od = attend(qd, kd, vd, _decode_mask(meta, sliding_window), scale, soft_cap)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
 
     for chunk in meta.prefills:
         s, n = chunk.query_start, chunk.query_len
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if chunk.mask is None:
+        # A window shorter than the context needs an explicit mask even for a chunk at position 0.
+        windowed = sliding_window is not None and sliding_window < chunk.context_len
+        if chunk.mask is None and not windowed:
             kp = k[s : s + n].transpose(0, 1).unsqueeze(0)
             vp = v[s : s + n].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+            op = attend(qp, kp, vp, None, scale, soft_cap, is_causal=True)
         else:
             kp = gather_blocks(k_cache, chunk.block_table)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
             vp = gather_blocks(v_cache, chunk.block_table)[: chunk.context_len].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+            mask = chunk.mask
+            if windowed:
+                positions = torch.arange(chunk.context_len - n, chunk.context_len, device=q.device)
+                mask = window_mask(positions, chunk.context_len, sliding_window)
+            op = attend(qp, kp, vp, mask, scale, soft_cap)
         out[s : s + n] = op[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)

@@ -19,7 +19,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.attention import AttentionMetadata, PrefillChunk
 from workers.cuda_graph import CudaGraphRunner, is_decode_only, make_decode_batch
 from workers.input_batch import CachedRequestState, RequestStates
-from workers.llama import LlamaForCausalLM
+from workers.decoder import DecoderForCausalLM
 from workers.sampler import SamplingRow, sample
 
 
@@ -36,7 +36,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, stop_ids: tuple[int, ...],
                  graph_runner: CudaGraphRunner | None = None) -> None:
         self.model = model
@@ -62,7 +62,7 @@ class ModelRunner:
             inputs = self.prepare_inputs(out)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             samplers = inputs.samplers
-        result = self._sample(hidden, samplers)
+        result = self._sample(hidden, samplers, out.allowed_token_bitmasks)
         for req_id, num in out.num_scheduled_tokens.items():
             self.requests.states[req_id].num_computed_tokens += num
         if result is not None:
@@ -134,7 +134,8 @@ class ModelRunner:
         samplers = [(s.req_id, i) for i, s in enumerate(states) if s.num_computed_tokens + 1 == len(s.token_ids)]
         return self.graph_runner.run(batch), samplers
 
-    def _sample(self, hidden: torch.Tensor, samplers: list[tuple[str, int]]) -> ModelRunnerOutput | None:
+    def _sample(self, hidden: torch.Tensor, samplers: list[tuple[str, int]],
+                bitmasks: dict[str, list[int]]) -> ModelRunnerOutput | None:
         if not samplers:
             # Every rank must still take part in the logits gather (collective).
             self.model.compute_logits(hidden[:0])
@@ -157,10 +158,15 @@ class ModelRunner:
                 output_token_ids=state.output_token_ids,
                 stop_ids=self.stop_ids + state.params.stop_token_ids,
                 generator=state.generator,
+                allowed_token_bitmask=bitmasks.get(req_id),
             ))
-        token_ids, logprobs = sample(logits.float(), rows)
+        sampled = sample(logits.float(), rows)
         result = ModelRunnerOutput()
-        for (req_id, _), token_id, lp in zip(samplers, token_ids, logprobs):
+        for n, ((req_id, _), token_id, lp) in enumerate(zip(samplers, sampled.token_ids, sampled.logprobs)):
+            if token_id is None:
+                # Only this request fails (the engine ends it); its batch mates go on.
+                result.request_errors[req_id] = sampled.errors[n]
+                continue
             result.sampled_token_ids[req_id] = [token_id]
             if lp is not None:
                 result.logprobs[req_id] = [lp]

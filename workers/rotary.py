@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF Llama's rotate-half layout), with llama3 frequency scaling."""
+"""Rotary position embeddings (HF Llama's rotate-half layout), with llama3 or linear frequency scaling."""
 
 from __future__ import annotations
 
@@ -28,8 +28,11 @@ class RotaryEmbedding(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling is not None:
+        if scaling is not None and scaling.rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif scaling is not None and scaling.rope_type == "linear":
+            # Linear (position interpolation): position p is rotated as p / factor.
+            inv_freq = inv_freq / scaling.factor
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

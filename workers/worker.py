@@ -15,7 +15,7 @@ import torch
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cuda_graph import CudaGraphRunner, make_graph_runner
 from workers.kv_cache import GiB, KVCacheSpec, allocate_kv_cache, kv_spec_for, num_blocks_for_budget
-from workers.llama import LlamaForCausalLM
+from workers.decoder import DecoderForCausalLM, build_model
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner
 from workers.parallel_state import TPGroup
@@ -71,7 +71,7 @@ class WorkerCore:
         self.tp = tp
         self.device = torch.device(config.device)
         self.model_config = ModelConfig.from_pretrained(config.model_path)
-        self.model: LlamaForCausalLM | None = None
+        self.model: DecoderForCausalLM | None = None
         self.runner: ModelRunner | None = None
         self.kv_spec: KVCacheSpec | None = None
 
@@ -79,7 +79,7 @@ class WorkerCore:
         start = time.perf_counter()
         cfg = self.config
         with torch.device(self.device):
-            model = LlamaForCausalLM(self.model_config, self.tp, cfg.dtype, max_positions=cfg.max_model_len)
+            model = build_model(self.model_config, self.tp, cfg.dtype, max_positions=cfg.max_model_len)
         param_bytes = model.load_weights(cfg.model_path)
         self.model = model.eval()
         load_time = time.perf_counter() - start

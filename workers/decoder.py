@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral without sliding window).
+"""The decoder-only causal LM every supported family runs through (Llama 2/3, SmolLM, Mistral,
+Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text); the family switches live in `ModelConfig`.
 
 The forward takes one flat batch of tokens from many requests (prefill chunks and decode tokens
 mixed), addressed through AttentionMetadata; layers are tensor-parallel and own their shards.
@@ -6,85 +7,21 @@ mixed), addressed through AttentionMetadata; layers are tensor-parallel and own 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from workers.attention import AttentionMetadata, paged_attention
+from workers.attention import AttentionMetadata
+from workers.decoder_layers import DecoderLayer, make_norm
 from workers.model_config import ModelConfig
 from workers.parallel_state import TPGroup
 from workers.rotary import RotaryEmbedding
-from workers.tp_layers import (
-    ColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from workers.tp_layers import ParallelLMHead, VocabParallelEmbedding
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, tp, cfg.attention_bias, dtype)
-        self.num_heads = self.qkv_proj.num_local_heads
-        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp,
-                                        cfg.attention_bias, dtype)
-        self.rotary = rotary
-        self.scale = cfg.head_dim ** -0.5
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out)
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp, cfg.mlp_bias, dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, cfg.mlp_bias, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, tp, rotary, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(cfg, tp, dtype)
-
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
+logger = logging.getLogger(__name__)
 
 # checkpoint name suffix -> (our module path suffix, shard id)
 _STACKED = {
@@ -96,20 +33,30 @@ _STACKED = {
 }
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype = torch.float32,
                  max_positions: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                 cfg.rope_theta, cfg.rope_scaling, dtype)
+        positions = max_positions or cfg.max_position_embeddings
+        rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        # Gemma 3's sliding layers rotate with their own base and no scaling.
+        local_rotary = rotary if cfg.local_rope_theta is None else RotaryEmbedding(
+            cfg.head_dim, positions, cfg.local_rope_theta, None, dtype)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, rotary, dtype) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            window = cfg.sliding_window_of(i)
+            layers.append(DecoderLayer(cfg, tp, local_rotary if window is not None else rotary, dtype, window))
+        self.layers = nn.ModuleList(layers)
+        self.norm = make_norm(cfg, cfg.hidden_size, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as HF does.
+        self.embedding_multiplier = (None if cfg.embedding_multiplier is None
+                                     else float(torch.tensor(cfg.embedding_multiplier, dtype=dtype)))
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -118,12 +65,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:
+            x = x * self.embedding_multiplier
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        cap = self.cfg.final_logit_softcap
+        if logits is None or cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
 
     # ---- weights ------------------------------------------------------------------------
     def load_weights(self, folder: str | Path) -> int:
@@ -140,6 +93,9 @@ class LlamaForCausalLM(nn.Module):
                     if target is None:
                         continue
                     param_name, shard_id = target
+                    if param_name not in params:
+                        raise ValueError(f"checkpoint weight {name!r} has no place in {self.cfg.architecture} "
+                                         f"as tpserve builds it (expected names like {next(iter(params))!r})")
                     param = params[param_name]
                     module = self.get_submodule(param_name.rsplit(".", 1)[0])
                     loader = getattr(module, "weight_loader", None)
@@ -166,3 +122,17 @@ class LlamaForCausalLM(nn.Module):
             if f".{ckpt}." in name:
                 return name.replace(ckpt, ours), shard_id
         return name, 0
+
+
+def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype = torch.float32,
+                max_positions: int | None = None) -> DecoderForCausalLM:
+    """The model for cfg.architecture (every supported family is the one decoder with its options)."""
+    windows = sorted({w for w in cfg.layer_sliding_windows if w is not None})
+    logger.info("model architecture %s (family %s): %d layers, %d/%d heads (q/kv), head_dim %d%s%s",
+                cfg.architecture, cfg.family, cfg.num_hidden_layers, cfg.num_attention_heads,
+                cfg.num_key_value_heads, cfg.head_dim,
+                f", sliding window {windows} on {sum(w is not None for w in cfg.layer_sliding_windows)} layers"
+                if windows else "",
+                f", soft caps attn={cfg.attn_logit_softcap} final={cfg.final_logit_softcap}"
+                if cfg.attn_logit_softcap or cfg.final_logit_softcap else "")
+    return DecoderForCausalLM(cfg, tp, dtype, max_positions)
