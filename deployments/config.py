@@ -50,6 +50,15 @@ class TpserveConfig(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     # Ray Serve's cap on concurrent requests per replica.
     max_ongoing_requests: int = Field(default=256, gt=0)
+    # ---- scale-out (issue 14; deployments/scale_out.py turns these into Serve options) ----
+    # Most replicas Serve places on one Ray node (None = no limit); 1 spreads replicas over nodes.
+    max_replicas_per_node: int | None = Field(default=None, gt=0)
+    # "kv_aware": a thin ingress reads the prompt and routes to the replica most likely to hold
+    # its prefix in KV cache (deployments/routing/); "serve_default": Serve's power-of-two router.
+    request_router: Literal["serve_default", "kv_aware"] = "serve_default"
+    # With autoscaling_config: "engine_load" scales on the engines' waiting queues and KV usage
+    # (deployments/autoscaling.py); "ongoing_requests" is Serve's own policy.
+    autoscaling_signal: Literal["ongoing_requests", "engine_load"] = "ongoing_requests"
     # Attach per-request `metrics` to every response (clients may also ask per request).
     request_metrics: bool = False
     # How many finished requests keep their timeline for GET /v1/requests/{id}/timeline.
@@ -65,6 +74,26 @@ class TpserveConfig(BaseModel):
     enforce_eager: bool = False
     # Largest decode batch captured in a CUDA graph (capped by max_num_seqs).
     max_cuda_graph_batch_size: int = Field(default=256, gt=0)
+
+    # ---- limits on one request (issue 12: a request's own input can only fail that request) ----
+    # Largest request body in bytes; larger bodies get 413 before they are parsed.
+    max_request_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # Deepest JSON nesting a body may have (chat content parts need about 5).
+    max_json_depth: int = Field(default=32, gt=2)
+    # Most characters of one prompt (completions) or of all messages (chat), checked before tokenizing.
+    max_prompt_chars: int = Field(default=1_000_000, gt=0)
+    # Most prompts in one completions request.
+    max_prompts_per_request: int = Field(default=64, gt=0)
+    # Most of the waiting queue one request's choices (prompts x n) may take, as a fraction.
+    max_waiting_share: float = Field(default=0.25, gt=0, le=1)
+    # Most stop strings, characters per stop string, and stop token ids per request.
+    max_stop_strings: int = Field(default=16, ge=0)
+    max_stop_string_chars: int = Field(default=256, gt=0)
+    max_stop_token_ids: int = Field(default=64, ge=0)
+    # Threads that tokenize prompts and parse bodies off the event loop.
+    tokenizer_threads: int = Field(default=2, gt=0)
+    # Seconds between the background worker health pings /health reads.
+    health_check_interval_s: float = Field(default=2.0, gt=0)
 
     @model_validator(mode="after")
     def _check_budgets(self) -> "TpserveConfig":

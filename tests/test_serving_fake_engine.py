@@ -327,7 +327,9 @@ def test_overload_is_503_with_retry_after(stream):
 def test_dead_engine_is_503_and_unknown_errors_are_500_without_trace():
     engine = FakeEngine()
     engine.fail_next = EngineDeadError("worker 1 died")
-    assert "worker 1 died" in assert_error(run(post(engine, "/v1/completions", {"prompt": "a"})), 503)["message"]
+    # Issue 12 item 8: the reason (which worker, which exception) goes to the log, not to clients.
+    dead = assert_error(run(post(engine, "/v1/completions", {"prompt": "a"})), 503)
+    assert dead["code"] == "engine_dead" and "worker 1" not in dead["message"]
     engine.fail_next = RuntimeError("secret internals")
     error = assert_error(run(post(engine, "/v1/completions", {"prompt": "a"})), 500)
     assert "secret" not in error["message"]

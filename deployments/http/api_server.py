@@ -2,79 +2,98 @@
 
 `make_api(engine)` is all a process needs to serve HTTP: Ray Serve wraps it (deployments/app.py),
 and tests can drive it directly with httpx's ASGI transport. The app's lifespan starts the
-engine loop on the serving event loop and shuts the engine down with the app.
+engine loop and the health monitor on the serving event loop and shuts both down with the app.
+
+Nothing heavy runs on the event loop, which also writes every SSE stream and answers /health:
+bodies are parsed and prompts tokenized on a small thread pool, worker health is pinged in the
+background (deployments/http/health.py).
 """
 
 from __future__ import annotations
 
-import json
+import concurrent.futures
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 
-from deployments.http.errors import (
-    APIError,
-    bad_request,
-    from_validation_errors,
-    install_error_handlers,
-    model_not_found,
-    not_found,
-)
+from deployments.config import TpserveConfig
+from deployments.engine.admission import AdmissionLimits
+from deployments.http.body import parse_body
+from deployments.http.errors import APIError, install_error_handlers, model_not_found, not_found
+from deployments.http.health import HealthMonitor
+from deployments.http.prompts import PromptTokenizer
 from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.http.serving_chat import ChatServing
 from deployments.http.serving_completions import CompletionServing
 from deployments.http.serving_common import created_ts
+from deployments.http.validation import RequestLimits
 from metrics.events import now
 
 # Prometheus text exposition format, version 0.0.4.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-BodyT = TypeVar("BodyT", bound=BaseModel)
+
+def engine_config(engine: Any) -> TpserveConfig:
+    """The engine's config; an engine without one (test doubles) gets the defaults."""
+    config = getattr(engine, "config", None)
+    return config if isinstance(config, TpserveConfig) else TpserveConfig()
 
 
-async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    """Read and validate a JSON body ourselves: malformed JSON and bad fields are 400s, not 422s."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise bad_request(f"Malformed JSON body: {exc}", code="json_invalid") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_errors(list(exc.errors())) from None
+def vocab_size_of(engine: Any) -> int:
+    """Ids below this are valid everywhere: the tokenizer's size, capped by the model's vocabulary."""
+    size = len(engine.tokenizer)
+    model_vocab = getattr(engine, "vocab_size", None)
+    return min(size, model_vocab) if model_vocab else size
+
+
+def ensure_admission_limits(engine: Any) -> None:
+    """Engines expose `admission_limits`; older doubles only `max_model_len`."""
+    if getattr(engine, "admission_limits", None) is None:
+        engine.admission_limits = AdmissionLimits(engine.max_model_len)
 
 
 def make_api(engine: Any) -> FastAPI:
     """The HTTP app over `engine` (an AsyncEngine, or any object with its interface)."""
+    config = engine_config(engine)
+    limits = RequestLimits.from_config(config)
+    pool = concurrent.futures.ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tpserve-tokenize")
+    health = HealthMonitor(engine, config.health_check_interval_s)
+    ensure_admission_limits(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        health.start()
         yield
+        await health.stop()
         await engine.shutdown()
+        pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tpserve", description="OpenAI-compatible LLM server", lifespan=lifespan)
+    app.state.health = health
     install_error_handlers(app)
-    completions = CompletionServing(engine)
-    chat = ChatServing(engine)
+    prompts = PromptTokenizer(engine.tokenizer, pool)
+    vocab_size = vocab_size_of(engine)
+    completions = CompletionServing(engine, limits, prompts, vocab_size)
+    chat = ChatServing(engine, limits, prompts, vocab_size)
     started = created_ts()
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         # ARRIVED: before the body is read and tokenized (TTFT and e2e start here).
         arrival_ts = now()
-        body = await parse_body(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest, limits.max_request_body_bytes, limits.max_json_depth, pool)
         return await completions.create(body, arrival_ts)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         arrival_ts = now()
-        body = await parse_body(request, ChatCompletionRequest)
+        body = await parse_body(
+            request, ChatCompletionRequest, limits.max_request_body_bytes, limits.max_json_depth, pool
+        )
         return await chat.create(body, arrival_ts)
 
     def model_card() -> dict[str, Any]:
@@ -97,9 +116,9 @@ def make_api(engine: Any) -> FastAPI:
         return model_card()
 
     @app.get("/health")
-    async def health() -> Response:
-        # Cheap and synchronous: it must answer within milliseconds while the engine is busy.
-        if engine.is_healthy():
+    async def health_route() -> Response:
+        # Reads the background monitor's last answer: never waits on the engine or its workers.
+        if health.healthy:
             return Response(status_code=200)
         raise APIError(503, "The engine is not healthy.", code="engine_unhealthy")
 

@@ -6,11 +6,16 @@ and no body carries a stack trace:
 | cause                                             | status | type                  |
 | ------------------------------------------------- | ------ | --------------------- |
 | malformed JSON, validation, unsupported value,    | 400    | invalid_request_error |
-| prompt + max_tokens over max_model_len            |        |                       |
+| prompt + max_tokens over max_model_len            |        |   (AdmissionError:    |
+|   or the KV cache (context_length_exceeded)       |        |    its param + code)  |
+| body over max_request_body_bytes                  | 413    | invalid_request_error |
 | unknown model / route / request id                | 404    | invalid_request_error |
 | waiting queue full (EngineOverloadedError)        | 503    | server_error          |
 |   (+ Retry-After), engine dead (EngineDeadError)  |        |                       |
 | anything else                                     | 500    | server_error          |
+
+Errors say what, not where (issue 12): no message carries a pid, an address, a path or the repr of
+an internal exception. Whatever is not the client's doing is logged once, with its trace, here.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.engine.admission import AdmissionError
 from deployments.engine.exceptions import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
@@ -105,13 +111,25 @@ def from_engine_exception(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineOverloadedError):
         return overloaded()
+    if isinstance(exc, AdmissionError):
+        return from_admission_error(exc)
     if isinstance(exc, EngineDeadError):
-        return APIError(503, f"The engine is not running: {exc}", code="engine_dead")
-    if isinstance(exc, ValueError):
-        # The engine's admission checks (e.g. prompt + max_tokens over max_model_len).
-        return bad_request(str(exc))
+        # The reason (which worker, which exception) is in the replica log, not for clients.
+        logger.warning("request refused: the engine is dead (%s)", exc)
+        return engine_dead()
     logger.error("request failed inside the engine", exc_info=exc)
     return internal_error()
+
+
+def from_admission_error(exc: AdmissionError) -> APIError:
+    return bad_request(exc.message, exc.param, exc.code)
+
+
+def engine_dead() -> APIError:
+    return APIError(
+        503, "The engine is not running; this replica is being replaced. Please retry.", code="engine_dead",
+        headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)},
+    )
 
 
 def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
@@ -131,6 +149,11 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
 async def _api_error_handler(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     return exc.to_response()
+
+
+async def _admission_handler(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, AdmissionError)
+    return from_admission_error(exc).to_response()
 
 
 async def _validation_handler(_: Request, exc: Exception) -> JSONResponse:
@@ -155,6 +178,7 @@ async def _internal_error_handler(_: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error_handler)
+    app.add_exception_handler(AdmissionError, _admission_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)
     app.add_exception_handler(Exception, _internal_error_handler)

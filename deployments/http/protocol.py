@@ -22,6 +22,13 @@ from scheduler.sampling_params import SamplingParams
 MAX_LOGPROBS = 20
 # Most choices per prompt: each one is its own engine request sharing the prompt.
 MAX_N = 16
+# Largest integer a count field may hold: bounded so no arithmetic on it ever leaves int32/int64.
+MAX_INT32 = 2**31 - 1
+# Smallest repetition penalty: logits are divided or multiplied by it, so 1e-50 made them
+# infinite and the sampler failed (issue 12); 0.01 keeps a float32 logit finite.
+MIN_REPETITION_PENALTY = 0.01
+# Longest per-request prefix-cache salt, in characters.
+MAX_CACHE_SALT_CHARS = 256
 
 
 class StreamOptions(BaseModel):
@@ -45,14 +52,15 @@ class TpserveOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """The fields completions and chat share: model, sampling, stopping, streaming."""
 
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    # allow_inf_nan=False: "Infinity" / "NaN" strings never reach the sampler as floats.
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
 
     # Served model name; None = the one model this server serves (vLLM behaviour).
     model: str | None = None
     # Most tokens to generate; None = 16 for completions, the rest of the context for chat.
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     # Fewest tokens before EOS / stop tokens may end the output (vLLM extension).
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
     # Choices per prompt.
     n: int = Field(default=1, ge=1, le=MAX_N)
     # 0 = greedy; OpenAI's range.
@@ -60,14 +68,14 @@ class SamplingRequest(BaseModel):
     # Nucleus mass in (0, 1].
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     # Keep the k most likely tokens; 0 or -1 = off (vLLM extension).
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=MAX_INT32)
     # Relative probability floor (vLLM extension).
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     # OpenAI penalties on generated tokens.
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # HF/vLLM repetition penalty over prompt and output (1 = off).
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=2.0)
     # Seed of choice i is seed + i, so choice 0 of an n>1 request equals the same request with n=1.
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     # Strings that end the output (not included in it).
@@ -88,6 +96,8 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     # tpserve options (per-request metrics).
     tpserve: TpserveOptions | None = None
+    # Prefix-cache salt (vLLM extension): requests share cached prefixes only with the same salt.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @model_validator(mode="before")
     @classmethod
@@ -283,7 +293,7 @@ class ChatCompletionRequest(SamplingRequest):
     # The conversation, rendered with the model's chat template.
     messages: list[ChatMessage] = Field(min_length=1)
     # OpenAI's newer name for max_tokens; wins when both are given.
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     # Return the logprob of each generated token.
     logprobs: bool = False
     # Also return the N most likely alternatives per position (needs logprobs=true).

@@ -8,16 +8,17 @@ then `delta: {"content": ...}` chunks as text is released, then `delta: {}` with
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from deployments.http.choice_streams import EngineStreamResponse
-from deployments.http.errors import bad_request
+from deployments.engine.admission import resolve_max_tokens
 from deployments.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from deployments.http.choice_streams import EngineStreamResponse
+from deployments.http.prompts import PromptTokenizer
 from deployments.http.protocol import ChatCompletionRequest
-from deployments.http.serving_common import ChoiceProgress, ResponseRun, check_model, resolve_max_tokens
+from deployments.http.serving_common import ChoiceProgress, ResponseRun
+from deployments.http.validation import RequestLimits, check_chat_messages, check_common
 
 logger = logging.getLogger(__name__)
 
@@ -37,31 +38,25 @@ def chat_logprob_entries(positions: list[PositionLogprobs]) -> list[dict[str, An
 class ChatServing:
     """Serves /v1/chat/completions on one AsyncEngine."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, limits: RequestLimits, prompts: PromptTokenizer, vocab_size: int) -> None:
         self.engine = engine
-
-    def _render_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        """Token ids of the conversation rendered with the model's chat template."""
-        try:
-            rendered = self.engine.tokenizer.apply_chat_template(
-                request.template_messages(),
-                add_generation_prompt=request.add_generation_prompt,
-                tokenize=True,
-            )
-        except Exception as exc:  # a template's own checks (roles must alternate, ...)
-            raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
-        # transformers >= 5 returns a BatchEncoding here, older versions a plain list.
-        if isinstance(rendered, Mapping):
-            rendered = rendered["input_ids"]
-        return list(rendered)
+        # Caps on one request (config).
+        self.limits = limits
+        # Renders the chat template off the event loop.
+        self.prompts = prompts
+        # Token ids must be below this.
+        self.vocab_size = vocab_size
 
     async def create(self, request: ChatCompletionRequest, arrival_ts: float) -> JSONResponse | EngineStreamResponse:
-        check_model(request.model, self.engine.model_name)
+        check_common(request, self.engine.model_name, self.limits, self.vocab_size)
+        check_chat_messages(request, self.limits)
         if request.ignored_fields:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
-        token_ids = self._render_prompt(request)
+        token_ids = await self.prompts.chat_prompt(request.template_messages(), request.add_generation_prompt)
+        max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(
-            request.requested_max_tokens(), None, len(token_ids), self.engine.max_model_len, "messages"
+            request.requested_max_tokens(), None, len(token_ids), self.engine.admission_limits, "messages",
+            max_tokens_param,
         )
         params = [request.to_sampling_params(max_tokens, i) for i in range(request.n)]
         object_name = "chat.completion.chunk" if request.stream else "chat.completion"

@@ -1,4 +1,4 @@
-"""What completions and chat share: checks, ids, SSE framing, usage, and `ResponseRun`, the
+"""What completions and chat share: ids, SSE framing, usage, and `ResponseRun`, the
 life of one response (collect for a JSON body, or stream chunks), parameterized by the endpoint's
 own rendering of choices."""
 
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
 from deployments.http.choice_streams import ChoiceSpec, ChoiceStreams, EngineStreamResponse, make_choice_specs
-from deployments.http.errors import APIError, bad_request, model_not_found
+from deployments.http.errors import APIError
 from deployments.engine.outputs import RequestOutput
 from deployments.http.protocol import SamplingRequest
 from scheduler.sampling_params import SamplingParams
@@ -37,37 +37,6 @@ def created_ts() -> int:
 
 def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise model_not_found(requested)
-
-
-def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
-    # An out-of-range id would crash the model's embedding lookup and with it the engine.
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", param)
-
-
-def resolve_max_tokens(
-    requested: int | None, default: int | None, num_prompt_tokens: int, max_model_len: int, param: str
-) -> int:
-    """The output cap of one prompt; 400 when prompt + output can never fit the context."""
-    if num_prompt_tokens == 0:
-        raise bad_request("the prompt is empty (zero tokens)", param)
-    room = max_model_len - num_prompt_tokens
-    max_tokens = requested if requested is not None else (default if default is not None else room)
-    if max_tokens > room:
-        raise bad_request(
-            f"this request has {num_prompt_tokens} prompt tokens and asks for max_tokens="
-            f"{max_tokens}: {num_prompt_tokens + max_tokens} tokens, over the model's context "
-            f"length max_model_len={max_model_len}; shorten the prompt or lower max_tokens",
-            param if requested is None else "max_tokens",
-            code="context_length_exceeded",
-        )
-    return max_tokens
 
 
 @dataclass

@@ -13,16 +13,13 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from deployments.http.choice_streams import EngineStreamResponse
+from deployments.engine.admission import resolve_max_tokens
 from deployments.engine.outputs import PositionLogprobs, RequestOutput
+from deployments.http.choice_streams import EngineStreamResponse
+from deployments.http.prompts import PromptTokenizer
 from deployments.http.protocol import CompletionRequest
-from deployments.http.serving_common import (
-    ChoiceProgress,
-    ResponseRun,
-    check_model,
-    check_token_ids,
-    resolve_max_tokens,
-)
+from deployments.http.serving_common import ChoiceProgress, ResponseRun
+from deployments.http.validation import RequestLimits, check_common, check_completion_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -69,32 +66,26 @@ class CompletionLogprobs:
 class CompletionServing:
     """Serves /v1/completions on one AsyncEngine."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, limits: RequestLimits, prompts: PromptTokenizer, vocab_size: int) -> None:
         self.engine = engine
-
-    def _tokenize_prompts(self, request: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-        """Token ids of each prompt, and its text (for echo)."""
-        tokenizer = self.engine.tokenizer
-        token_lists, texts = [], []
-        for prompt in request.prompt_list():
-            if isinstance(prompt, str):
-                token_lists.append(list(tokenizer.encode(prompt)))
-                texts.append(prompt)
-            else:
-                check_token_ids(prompt, len(tokenizer), "prompt")
-                token_lists.append(list(prompt))
-                texts.append(tokenizer.decode(prompt) if request.echo else "")
-        return token_lists, texts
+        # Caps on one request (config).
+        self.limits = limits
+        # Tokenizes off the event loop.
+        self.prompts = prompts
+        # Token ids must be below this.
+        self.vocab_size = vocab_size
 
     async def create(self, request: CompletionRequest, arrival_ts: float) -> JSONResponse | EngineStreamResponse:
-        check_model(request.model, self.engine.model_name)
+        check_common(request, self.engine.model_name, self.limits, self.vocab_size)
+        prompt_list = request.prompt_list()
+        check_completion_prompts(request, prompt_list, self.limits, self.vocab_size)
         if request.ignored_fields:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
-        prompts, prompt_texts = self._tokenize_prompts(request)
+        prompts, prompt_texts = await self.prompts.completion_prompts(prompt_list, request.echo)
         params = []
         for token_ids in prompts:
             max_tokens = resolve_max_tokens(
-                request.max_tokens, DEFAULT_MAX_TOKENS, len(token_ids), self.engine.max_model_len, "prompt"
+                request.max_tokens, DEFAULT_MAX_TOKENS, len(token_ids), self.engine.admission_limits, "prompt"
             )
             params.append([request.to_sampling_params(max_tokens, i) for i in range(request.n)])
         run = ResponseRun.create(self.engine, request, "cmpl", "text_completion", prompts, params, arrival_ts)
