@@ -52,6 +52,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     # Requests that ended since the last step: workers drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Request id -> packed allowed-token bitmask for the token sampled this step (structured
+    # output): int32 words, token t allowed when bit t % 32 of word t // 32 is set (xgrammar's
+    # layout; words may be given signed or unsigned). Requests absent here may sample any token.
+    allowed_token_bitmasks: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -74,3 +78,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
     # Seconds the model forward (plus sampling) took on the slowest rank.
     forward_time: float = 0.0
+    # Request id -> why it got no token this step (non-finite logits, a sampler error, every
+    # token excluded); only the failing requests, which the engine ends with finish_reason abort.
+    request_errors: dict[str, str] = field(default_factory=dict)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -51,11 +52,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrain the output to a grammar (None = free text). The engine keeps the matcher.
     structured_output: StructuredOutputSpec | None = None
+    # OpenAI logit_bias: (token id, bias) pairs added to the logits after the penalties (a dict
+    # {id: bias} is accepted and stored sorted by id).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Tuples keep the object hashable and cheap to pickle; accept lists from callers.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
 
     @property
     def is_greedy(self) -> bool:

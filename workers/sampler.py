@@ -1,17 +1,36 @@
-"""Turn logits into tokens: penalties, min_tokens, temperature, top-k/p, min-p, seeds, logprobs.
+"""Turn logits into tokens for a batch of requests, on the device, with one host transfer.
 
-Greedy rows take a fast argmax path; seeded rows draw from their own torch.Generator so their
-tokens do not depend on batch mates; logprobs are the model's raw log-softmax (as vLLM returns).
+    raw logits ─┬─ log-softmax ──────────────────────────────── logprobs (as vLLM / OpenAI report)
+                └─ request processors (sampling_penalties) ─┬─ argmax ──────────── greedy rows
+                                                            └─ filters ─ draw ──── sampled rows
+
+Greedy rows take one argmax over the batch. Sampled rows draw with the exponential race
+(argmax of p / E, E ~ Exp(1)), which is exactly what torch.multinomial does for one sample; a
+seeded row's noise comes from its own CPU generator, so its tokens do not depend on batch mates
+or device. Token ids, error flags and logprobs come back to the host in ONE transfer.
+
+A row that cannot be sampled (non-finite logits, every token excluded) gets an error instead of
+a token; an exception anywhere re-runs the rows one by one so that only the failing request
+fails (its request gets the message; the batch goes on).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from scheduler.outputs import SampledLogprobs
 from scheduler.sampling_params import SamplingParams
+from workers.sampling_filters import filtered_probs
+from workers.sampling_penalties import apply_request_processors
+
+logger = logging.getLogger(__name__)
+
+NON_FINITE_LOGITS = "the model produced non-finite logits for this request"
+NOTHING_ALLOWED = ("no token can be sampled: this request's parameters (logit_bias, min_tokens, "
+                   "allowed-token mask, temperature) exclude every token")
 
 
 @dataclass
@@ -26,76 +45,128 @@ class SamplingRow:
     stop_ids: tuple[int, ...]
     # The request's own generator when seeded, else None.
     generator: torch.Generator | None
+    # Packed int32 allowed-token bitmask for this step (xgrammar's layout; a list of words or a
+    # 1-D int32 tensor), None = every token allowed.
+    allowed_token_bitmask: list[int] | torch.Tensor | None = None
 
 
-def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    p = row.params
-    vocab = logits.shape[-1]
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long,
-                            device=logits.device)
-        seen = seen[seen < vocab]
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if row.output_token_ids and (p.frequency_penalty or p.presence_penalty):
-        ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(ids, minlength=vocab)[:vocab]
-        logits -= p.frequency_penalty * counts.to(logits.dtype)
-        logits -= p.presence_penalty * (counts > 0).to(logits.dtype)
+@dataclass
+class SamplerOutput:
+    # One token per row; None for a row that failed (its message is in `errors`).
+    token_ids: list[int | None]
+    # Logprobs per row for rows that asked for them and got a token, else None.
+    logprobs: list[SampledLogprobs | None]
+    # Row index -> why that row produced no token.
+    errors: dict[int, str]
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """One row: temperature, then top-k, top-p and min-p as -inf masks."""
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop tokens once the mass before them already reaches top_p (keep at least one).
-        drop = (probs.cumsum(-1) - probs) >= p.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if p.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return logits
-
-
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[SampledLogprobs | None]]:
-    """logits [R, V] float32 (one row per request that samples) -> token ids and logprobs."""
-    want_logprobs = [r.params.logprobs is not None for r in rows]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-    needs_processing = [
-        r.params.needs_penalties or len(r.output_token_ids) < r.params.min_tokens for r in rows
-    ]
-    if any(needs_processing):
-        logits = logits.clone()
-        for i, row in enumerate(rows):
-            if row.params.needs_penalties:
-                apply_penalties(logits[i], row)
-            if len(row.output_token_ids) < row.params.min_tokens and row.stop_ids:
-                logits[i, list(row.stop_ids)] = float("-inf")
-
-    token_ids = logits.argmax(dim=-1).tolist()  # right for every greedy row
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """logits [R, V] float32, one row per request that samples this step."""
+    try:
+        return _sample_batch(logits, rows)
+    except Exception as exc:  # noqa: BLE001 - isolate the request that caused it
+        if len(rows) == 1:
+            logger.exception("sampling failed for one request")
+            return SamplerOutput([None], [None], {0: f"sampling failed: {type(exc).__name__}: {exc}"})
+        logger.warning("batched sampling failed (%s); sampling the %d rows one by one", exc, len(rows))
+    merged = SamplerOutput([], [], {})
     for i, row in enumerate(rows):
-        if row.params.is_greedy:
-            continue
-        probs = filter_logits(logits[i], row.params).softmax(-1)
-        if row.generator is not None and probs.device != row.generator.device:
-            # Seeded rows draw from their own CPU generator: the same tokens on any device.
-            probs = probs.cpu()
-        token_ids[i] = int(torch.multinomial(probs, 1, generator=row.generator).item())
+        one = sample(logits[i : i + 1], [row])
+        merged.token_ids.append(one.token_ids[0])
+        merged.logprobs.append(one.logprobs[0])
+        if 0 in one.errors:
+            merged.errors[i] = one.errors[0]
+    return merged
 
-    logprobs: list[SampledLogprobs | None] = [None] * len(rows)
-    for i, row in enumerate(rows):
-        if not want_logprobs[i]:
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _sample_batch(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    processed = apply_request_processors(logits, rows)
+    token_ids = processed.argmax(dim=-1)  # right for every greedy row
+    finite = logits.isfinite().all(dim=-1)
+    allowed = (processed > float("-inf")).any(dim=-1)
+    sampling = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if sampling:
+        drawn, drawn_ok = draw(processed, rows, sampling)
+        where = _index(sampling, logits.device)
+        token_ids = token_ids.index_copy(0, where, drawn)
+        allowed = allowed.index_copy(0, where, allowed[where] & drawn_ok)
+    lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    lp_parts, num_top = raw_logprobs(logits, token_ids, rows, lp_rows)
+    # The one device -> host transfer of the step (ids are exact in float64).
+    parts = [token_ids, finite, allowed, *lp_parts]
+    host = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist()
+    return _unpack(host, rows, lp_rows, num_top)
+
+
+def draw(processed: torch.Tensor, rows: list[SamplingRow], sampling: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sampling row from its filtered distribution, and whether it was defined."""
+    device = processed.device
+    sub = processed if len(sampling) == processed.shape[0] else processed[_index(sampling, device)]
+    probs = filtered_probs(sub, [rows[i].params for i in sampling])
+    seeded = [n for n, i in enumerate(sampling) if rows[i].generator is not None]
+    if len(seeded) < len(sampling):
+        noise = torch.empty_like(probs).exponential_()
+    if seeded:
+        vocab = probs.shape[-1]
+        own = torch.stack([
+            torch.empty(vocab, device=rows[sampling[n]].generator.device).exponential_(
+                generator=rows[sampling[n]].generator)
+            for n in seeded
+        ]).to(device, non_blocking=True)
+        if len(seeded) == len(sampling):
+            noise = own
+        else:
+            noise[_index(seeded, device)] = own
+    drawn = (probs / noise).argmax(dim=-1)
+    ok = probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)
+    return drawn, ok
+
+
+def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow],
+                 lp_rows: list[int]) -> tuple[list[torch.Tensor], int]:
+    """Log-softmax of the raw logits (before penalties and temperature): the chosen token's
+    value per row and the top-N ids and values (N = the largest asked for in the batch)."""
+    if not lp_rows:
+        return [], 0
+    if len(lp_rows) == logits.shape[0]:
+        raw, chosen_ids = logits, token_ids
+    else:
+        where = _index(lp_rows, logits.device)
+        raw, chosen_ids = logits[where], token_ids[where]
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, chosen_ids[:, None])
+    num_top = max(min(max(rows[i].params.logprobs, 0), logprobs.shape[-1]) for i in lp_rows)
+    if num_top == 0:
+        return [chosen], 0
+    top = torch.topk(logprobs, num_top, dim=-1)
+    return [chosen, top.values, top.indices], num_top
+
+
+def _unpack(host: list[float], rows: list[SamplingRow], lp_rows: list[int], num_top: int) -> SamplerOutput:
+    num_rows = len(rows)
+    out = SamplerOutput(token_ids=[None] * num_rows, logprobs=[None] * num_rows, errors={})
+    for i in range(num_rows):
+        if not host[num_rows + i]:
+            out.errors[i] = NON_FINITE_LOGITS
+        elif not host[2 * num_rows + i]:
+            out.errors[i] = NOTHING_ALLOWED
+        else:
+            out.token_ids[i] = int(host[i])
+    chosen_at = 3 * num_rows
+    values_at = chosen_at + len(lp_rows)
+    ids_at = values_at + len(lp_rows) * num_top
+    for n, i in enumerate(lp_rows):
+        if out.token_ids[i] is None:
             continue
-        lp = raw_logprobs[i]
-        n = row.params.logprobs
-        top = torch.topk(lp, n) if n > 0 else None
-        logprobs[i] = SampledLogprobs(
-            sampled=(token_ids[i], float(lp[token_ids[i]])),
-            top=list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
+        wanted = max(rows[i].params.logprobs, 0)
+        values = host[values_at + n * num_top : values_at + n * num_top + wanted]
+        ids = host[ids_at + n * num_top : ids_at + n * num_top + wanted]
+        out.logprobs[i] = SampledLogprobs(
+            sampled=(out.token_ids[i], host[chosen_at + n]),
+            top=[(int(t), v) for t, v in zip(ids, values)],
         )
-    return token_ids, logprobs
+    return out

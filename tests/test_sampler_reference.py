@@ -1,0 +1,206 @@
+"""The sampler's filtered distributions against transformers' logits processors, row by row.
+
+Every case runs in ONE batch with rows that use other settings (the sampler batches filters over
+rows), on real logits of the default model and on random logits, ties and extreme values
+included. The reference for each row is HF's processor chain applied to that row alone, in
+`generate`'s order: repetition penalty, (frequency/presence: written out, HF has none), logit
+bias, min new tokens, then temperature, top-k, top-p, min-p.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from scheduler.sampling_params import SamplingParams as SP
+from workers.sampler import SamplingRow
+from workers.sampling_filters import filtered_probs
+from workers.sampling_penalties import apply_request_processors
+
+PROMPT = [5, 17, 17, 42, 99, 3]
+OUTPUT = [17, 256, 256, 256, 7, 1000]
+STOP_IDS = (2, 7)
+
+# One row each, all in one batch. Values chosen to hit each rule's edges: ties at the k-th,
+# top_p tiny / just under 1, top_k above the vocabulary, temperature near 0, min_p 1.
+CASES = {
+    "plain": SP(temperature=1.0),
+    "temperature_low": SP(temperature=0.3),
+    "temperature_near_zero": SP(temperature=2e-5),
+    "temperature_high": SP(temperature=2.0),
+    "top_k_1": SP(temperature=1.0, top_k=1),
+    "top_k_20": SP(temperature=0.8, top_k=20),
+    "top_k_above_vocab": SP(temperature=1.0, top_k=10**9),
+    "top_p_tiny": SP(temperature=1.0, top_p=1e-6),
+    "top_p_half": SP(temperature=1.0, top_p=0.5),
+    "top_p_high": SP(temperature=1.3, top_p=0.97),
+    "min_p": SP(temperature=1.0, min_p=0.05),
+    "min_p_one": SP(temperature=1.0, min_p=1.0),
+    "all_filters": SP(temperature=0.7, top_k=50, top_p=0.9, min_p=0.02),
+    "repetition_up": SP(temperature=1.0, repetition_penalty=1.5),
+    "repetition_down": SP(temperature=1.0, repetition_penalty=0.6),
+    "frequency_presence": SP(temperature=1.0, frequency_penalty=1.5, presence_penalty=-0.7),
+    "logit_bias": SP(temperature=1.0, logit_bias={17: 5.0, 300: -100.0, 9: 100.0}),
+    "min_tokens": SP(temperature=1.0, min_tokens=10),
+    "min_tokens_met": SP(temperature=1.0, min_tokens=3),
+    "everything": SP(temperature=0.9, top_k=40, top_p=0.8, min_p=0.01, repetition_penalty=1.2,
+                     frequency_penalty=0.4, presence_penalty=0.3, logit_bias={256: 2.0}, min_tokens=8),
+}
+
+
+def hf_reference(logits: torch.Tensor, p: SP) -> torch.Tensor:
+    """The distribution HF's processors give one row (float64 softmax of float32 logits)."""
+    input_ids = torch.tensor([PROMPT + OUTPUT])
+    scores = logits[None].clone()
+    processors = LogitsProcessorList()
+    if p.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+    scores = processors(input_ids, scores)
+    # OpenAI's frequency/presence penalties (vLLM's definition; HF has no processor for them).
+    counts = torch.bincount(torch.tensor(OUTPUT), minlength=scores.shape[-1]).to(scores.dtype)
+    scores = scores - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(scores.dtype)
+    processors = LogitsProcessorList()
+    if p.logit_bias:
+        processors.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in p.logit_bias]))
+    if p.min_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(len(PROMPT), p.min_tokens, list(STOP_IDS)))
+    processors.append(TemperatureLogitsWarper(p.temperature))
+    if p.top_k > 0:
+        processors.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        processors.append(TopPLogitsWarper(p.top_p))
+    if p.min_p > 0:
+        processors.append(MinPLogitsWarper(p.min_p))
+    return processors(input_ids, scores)[0].softmax(-1)
+
+
+def row(p: SP, **extra) -> SamplingRow:
+    return SamplingRow(params=p, prompt_token_ids=PROMPT, output_token_ids=OUTPUT, stop_ids=STOP_IDS,
+                       generator=None, **extra)
+
+
+def tpserve_probs(logits: torch.Tensor, params: list[SP]) -> torch.Tensor:
+    rows = [row(p) for p in params]
+    return filtered_probs(apply_request_processors(logits, rows), params)
+
+
+def assert_same_distribution(ours: torch.Tensor, ref: torch.Tensor, name: str) -> None:
+    # Same support exactly (a filter's edge is a decision, not a rounding), same mass within float.
+    assert torch.equal(ours > 0, ref > 0), f"{name}: kept tokens differ: ours {int((ours > 0).sum())}, " \
+                                            f"HF {int((ref > 0).sum())}"
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def real_logits() -> torch.Tensor:
+    """Last-position logits of the default model for a few prompts (float32)."""
+    from tests.engine_helpers import PROMPTS, _hf_model
+    from tests.model_fixtures import default_model_path
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = _hf_model(path)
+    rows = []
+    with torch.no_grad():
+        for prompt in PROMPTS[:4]:
+            rows.append(model(torch.tensor([tokenizer.encode(prompt)])).logits[0, -1].float())
+    return torch.stack(rows)
+
+
+def random_logits(num_rows: int, vocab: int, seed: int, ties: bool) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab, generator=generator) * 4
+    # Integer logits: hundreds of exact ties at every k-th / nucleus edge.
+    return logits.round() if ties else logits
+
+
+@pytest.mark.parametrize("source", ["real", "random", "random_ties"])
+def test_filtered_distribution_equals_hf_processors(source, request):
+    names = list(CASES)
+    params = [CASES[n] for n in names]
+    if source == "real":
+        base = request.getfixturevalue("real_logits")
+        logits = base[torch.arange(len(names)) % base.shape[0]]
+    else:
+        logits = random_logits(len(names), 1024, seed=1, ties=source == "random_ties")
+    ours = tpserve_probs(logits, params)
+    for i, name in enumerate(names):
+        assert_same_distribution(ours[i].double(), hf_reference(logits[i], params[i]).double(), f"{source}/{name}")
+
+
+def test_a_row_does_not_depend_on_its_batch_mates():
+    logits = random_logits(len(CASES), 512, seed=2, ties=True)
+    params = list(CASES.values())
+    together = tpserve_probs(logits, params)
+    for i, p in enumerate(params):
+        assert torch.equal(tpserve_probs(logits[i : i + 1], [p])[0], together[i]), list(CASES)[i]
+
+
+def test_logit_bias_and_penalties_move_the_right_way():
+    """Signs, stated plainly (the reference test above could share a sign error with HF's use)."""
+    logits = torch.zeros(1, 400)
+    out = apply_request_processors(logits, [row(SP(logit_bias={9: 3.0, 10: -3.0}, repetition_penalty=2.0,
+                                                    frequency_penalty=0.5, presence_penalty=0.25))])[0]
+    assert out[9] == 3.0 and out[10] == -3.0
+    assert out[256] == pytest.approx(-(0.5 * 3 + 0.25))  # three times in OUTPUT
+    positive = apply_request_processors(torch.full((1, 400), 2.0), [row(SP(repetition_penalty=2.0))])[0]
+    negative = apply_request_processors(torch.full((1, 400), -2.0), [row(SP(repetition_penalty=2.0))])[0]
+    assert positive[5] == 1.0 and negative[5] == -4.0 and positive[6] == 2.0  # 5 is in the prompt
+
+
+def test_allowed_bitmask_equals_xgrammar_application():
+    xgr = pytest.importorskip("xgrammar")
+    vocab = 1000  # not a multiple of 32: the last word is partly beyond the vocabulary
+    logits = random_logits(3, vocab, seed=3, ties=False)
+    words = torch.randint(-(2**31), 2**31, (3, math.ceil(vocab / 32)), dtype=torch.int64,
+                          generator=torch.Generator().manual_seed(4)).to(torch.int32)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, words)
+    # As a signed list, as unsigned values, as a tensor; row 1 has no mask.
+    rows = [row(SP(), allowed_token_bitmask=words[0].tolist()),
+            row(SP()),
+            row(SP(), allowed_token_bitmask=[w & 0xFFFFFFFF for w in words[2].tolist()])]
+    ours = apply_request_processors(logits, rows)
+    assert torch.equal(ours[0], expected[0]) and torch.equal(ours[2], expected[2])
+    assert torch.equal(ours[1], logits[1])
+    tensor_rows = [row(SP(), allowed_token_bitmask=words[0])]
+    assert torch.equal(apply_request_processors(logits[:1], tensor_rows)[0], expected[0])
+
+
+def test_bitmask_bit_order_by_hand():
+    """Bit t % 32 of word t // 32: token 0 is bit 0 of word 0, token 33 is bit 1 of word 1."""
+    logits = torch.zeros(1, 64)
+    out = apply_request_processors(logits, [row(SP(), allowed_token_bitmask=[1, 2])])[0]
+    assert (out == 0).nonzero().flatten().tolist() == [0, 33]
+
+
+def test_greedy_with_repetition_penalty_equals_hf_generate():
+    from tests.engine_helpers import PROMPTS, _hf_model, make_engine, run_engine
+    from tests.model_fixtures import default_model_path
+
+    path = default_model_path()
+    engine = make_engine(path)
+    prompt_ids = engine.tokenizer.encode(PROMPTS[2])
+    params = SP(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
+    ours = run_engine(engine, {"r": (prompt_ids, params)})["r"]
+    with torch.no_grad():
+        generated = _hf_model(path).generate(
+            torch.tensor([prompt_ids]), do_sample=False, repetition_penalty=1.3, max_new_tokens=24,
+            eos_token_id=engine.eos_token_id, pad_token_id=engine.eos_token_id)
+    reference = generated[0, len(prompt_ids):].tolist()
+    assert ours == reference
+    without = run_engine(engine, {"g": (prompt_ids, SP(max_tokens=24, temperature=0.0))})["g"]
+    assert without != ours, "the penalty must change this output for the test to mean anything"
