@@ -2,7 +2,7 @@
 
 A block is in exactly one of three states (METRICS.md section 4):
   used    ref_cnt > 0                      held by at least one live request
-  cached  ref_cnt == 0 and block_hash set  evictable, kept for prefix reuse
+  cached  ref_cnt == 0 and block_key set   evictable, kept for prefix reuse
   free    ref_cnt == 0, no hash            empty
 Cached and free blocks both sit in the free queue, least recently freed first; taking a cached
 block for new data evicts it from the prefix map. Block 0 is the null block: never handed out
@@ -11,12 +11,33 @@ block for new data evicts it from the prefix map. Block 0 is the null block: nev
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-# A full block's identity: the parent's hash plus its own token ids. The map compares the whole
-# key, so two different blocks never alias through a hash collision of their own tokens.
-BlockKey = tuple[int | None, tuple[int, ...]]
+# A full block's identity: SHA-256 over its parent's key and its own token ids, so it names the
+# whole prefix up to the block. Python's `hash` would let a client craft a colliding prefix and
+# have another client's request read its K/V; finding a SHA-256 collision is not feasible.
+BlockKey = bytes
+
+# What the first block of an unsalted prefix chains on (a fixed 32 bytes, like a parent key).
+_ROOT_KEY = bytes(32)
+
+
+def hash_block(parent: BlockKey | None, token_ids: Sequence[int], cache_salt: str | None = None) -> BlockKey:
+    """The key of a full block: parent key (or the root, plus the request's salt for the first
+    block) and the token ids, each field length-prefixed so no two inputs share an encoding."""
+    digest = hashlib.sha256()
+    digest.update(parent if parent is not None else _ROOT_KEY)
+    if parent is None and cache_salt is not None:
+        salt = cache_salt.encode("utf-8")
+        digest.update(b"S" + len(salt).to_bytes(4, "little") + salt)
+    digest.update(b"T" + len(token_ids).to_bytes(4, "little"))
+    # Token ids are non-negative and below the vocabulary size: 8 bytes each cannot overflow.
+    digest.update(struct.pack(f"<{len(token_ids)}Q", *token_ids))
+    return digest.digest()
 
 NULL_BLOCK_ID = 0
 
@@ -27,10 +48,8 @@ class KVBlock:
     block_id: int
     # Live requests holding this block.
     ref_cnt: int = 0
-    # Set once the block is full and registered in the prefix cache.
+    # Set once the block is full and registered in the prefix cache (its SHA-256 chain key).
     block_key: BlockKey | None = None
-    # hash(block_key): what the child block chains on.
-    block_hash: int | None = None
 
 
 class BlockPool:
@@ -116,14 +135,12 @@ class BlockPool:
         if key in self._cached:
             return
         block.block_key = key
-        block.block_hash = hash(key)
         self._cached[key] = block
 
     def _evict(self, block: KVBlock) -> None:
         if self._cached.get(block.block_key) is block:
             del self._cached[block.block_key]
         block.block_key = None
-        block.block_hash = None
         self.num_cached_blocks -= 1
 
     def reset_prefix_cache(self) -> None:

@@ -7,7 +7,7 @@ scheduled this step), `free` (release everything a request holds), `snapshot` (M
 from __future__ import annotations
 
 from metrics.stats import KVCacheSnapshot
-from scheduler.block_pool import BlockKey, BlockPool, KVBlock
+from scheduler.block_pool import BlockKey, BlockPool, KVBlock, hash_block
 from scheduler.request import Request
 
 
@@ -35,8 +35,9 @@ class KVCacheManager:
 
     def _block_key(self, request: Request, index: int, parent: BlockKey | None) -> BlockKey:
         start = index * self.block_size
-        tokens = tuple(request.token_ids_range(start, start + self.block_size))
-        return (hash(parent) if parent is not None else None, tokens)
+        tokens = request.token_ids_range(start, start + self.block_size)
+        # The salt separates tenants: it changes the first key, hence every key chained on it.
+        return hash_block(parent, tokens, request.sampling_params.cache_salt)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, in whole blocks, leaving >= 1 token to compute."""

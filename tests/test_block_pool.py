@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_pool import NULL_BLOCK_ID, BlockPool
+from scheduler.block_pool import NULL_BLOCK_ID, BlockPool, hash_block
 
 
 def key(*tokens: int, parent=None):
-    return (hash(parent) if parent is not None else None, tuple(tokens))
+    return hash_block(parent, tokens)
 
 
 def counts(pool: BlockPool) -> tuple[int, int, int]:
@@ -83,7 +83,7 @@ def test_taking_a_cached_block_evicts_it_from_the_prefix_map():
     (taken,) = pool.take_blocks(1)
     assert taken is a  # least recently released
     assert pool.lookup(key(7)) is None
-    assert taken.block_key is None and taken.block_hash is None
+    assert taken.block_key is None
     assert pool.lookup(key(8)) is b
     assert counts(pool) == (1, 1, 0)
     check_counts(pool)

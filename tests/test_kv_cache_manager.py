@@ -237,3 +237,33 @@ def test_blocks_holding_prompt_and_output_tokens_are_keyed_on_all_of_them():
     c = make_request(prompt)
     c.output_token_ids.extend([500, 501, 502])
     assert kv.get_computed_blocks(c)[1] == 2 * B
+
+
+# ---- prefix-cache safety (issue 12 item 7) ---------------------------------------------------
+
+
+def test_block_keys_are_sha256_chains_of_the_whole_prefix():
+    from scheduler.block_pool import hash_block
+
+    first = hash_block(None, [1, 2, 3, 4])
+    assert isinstance(first, bytes) and len(first) == 32
+    # Same block tokens after a different prefix: a different key (the key names the prefix).
+    assert hash_block(first, [5, 6, 7, 8]) != hash_block(hash_block(None, [9, 2, 3, 4]), [5, 6, 7, 8])
+    # Deterministic across calls (and processes: no PYTHONHASHSEED involved).
+    assert hash_block(first, [5, 6, 7, 8]) == hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8])
+    # Field boundaries are unambiguous: a salt never reads as tokens or vice versa.
+    assert hash_block(None, [1, 2, 3, 4], "") != hash_block(None, [1, 2, 3, 4])
+    assert hash_block(None, [1, 2, 3, 4], "a") != hash_block(None, [1, 2, 3, 4], "b")
+
+
+def test_a_cache_salt_only_shares_prefixes_with_the_same_salt():
+    kv = make_kv()
+    prompt = make_prompt(13)
+    run_prefill(kv, make_request(prompt, cache_salt="tenant-a"))
+    # Another tenant, and an unsalted client: no hit on tenant A's blocks.
+    hits_b, _ = admit(kv, make_request(prompt, cache_salt="tenant-b"))
+    hits_none, _ = admit(kv, make_request(prompt))
+    assert hits_b == [] and hits_none == []
+    # The same tenant hits every full block but the one holding the last prompt token.
+    hits_a, _ = admit(kv, make_request(prompt, cache_salt="tenant-a"))
+    assert len(hits_a) == (13 - 1) // B

@@ -80,7 +80,9 @@ def test_out_of_range_values_name_their_field(field, value):
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3, "n": 2}, "best_of"),
         ({"echo": True, "logprobs": 1}, "echo"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"logit_bias": {"a": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": {"²": 1}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ],
@@ -166,3 +168,21 @@ def test_malformed_json_error_shape():
     assert error.status_code == 400
     assert error.body()["error"]["code"] == "json_invalid"
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_logit_bias_and_cache_salt_reach_the_sampling_params():
+    request = CompletionRequest.model_validate(
+        {"prompt": "a", "logit_bias": {"17": 5, "3": -100}, "cache_salt": "tenant-a"}
+    )
+    params = request.to_sampling_params(4, 0)
+    assert params.logit_bias == ((3, -100.0), (17, 5.0)) and params.cache_salt == "tenant-a"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("repetition_penalty", 1e-50), ("temperature", "Infinity"), ("top_k", 2**40), ("max_tokens", 2**40),
+     ("cache_salt", ""), ("cache_salt", "x" * 257)],
+)
+def test_values_the_sampler_cannot_compute_with_are_rejected(field, value):
+    param, _ = error_of(completion, **{field: value})
+    assert param == field

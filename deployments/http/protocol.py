@@ -3,7 +3,7 @@
 Unknown fields are ignored, as vLLM does (and unlike OpenAI, which rejects them): clients and
 SDKs routinely send fields a server has no use for (`store`, `metadata`, `service_tier`, ...),
 and breaking them buys nothing. The serving layer logs the names it ignored. Fields that OpenAI
-defines but tpserve cannot honour (`suffix`, tools, `logit_bias`, JSON response formats,
+defines but tpserve cannot honour (`suffix`, tools, JSON response formats,
 `best_of` > n, prompt logprobs through `echo`) are declared here and rejected with a 400, so a
 client never silently gets something other than what it asked for.
 
@@ -29,6 +29,9 @@ MAX_INT32 = 2**31 - 1
 MIN_REPETITION_PENALTY = 0.01
 # Longest per-request prefix-cache salt, in characters.
 MAX_CACHE_SALT_CHARS = 256
+# Most logit_bias entries (OpenAI allows 300) and the range of one bias (OpenAI's).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class StreamOptions(BaseModel):
@@ -92,7 +95,7 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     # End-user id: accepted, ignored.
     user: str | None = None
-    # Rejected unless empty: tpserve has no logit processors.
+    # Token id (as a string key, OpenAI's form) -> bias in [-100, 100] added to its logit.
     logit_bias: dict[str, float] | None = None
     # tpserve options (per-request metrics).
     tpserve: TpserveOptions | None = None
@@ -130,10 +133,20 @@ class SamplingRequest(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key[:20]!r}")
+            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
         return value
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
 
     @model_validator(mode="after")
     def _check_streaming_and_lengths(self) -> "SamplingRequest":
@@ -193,6 +206,8 @@ class SamplingRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.top_logprobs_count(),
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias_pairs(),
+            cache_salt=self.cache_salt,
         )
 
 
