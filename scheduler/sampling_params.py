@@ -55,6 +55,9 @@ class SamplingParams:
     # OpenAI logit_bias: (token id, bias) pairs added to the logits after the penalties (a dict
     # {id: bias} is accepted and stored sorted by id).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Prefix-cache salt: folded into the first block's hash, so requests share cached prefixes
+    # only with requests carrying the same salt (None = the shared, unsalted cache).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Tuples keep the object hashable and cheap to pickle; accept lists from callers.
