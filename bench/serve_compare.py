@@ -8,6 +8,11 @@ for the vLLM peer (bench.vllm_peer, installed into its own venv on first use). T
 run at the same time, so neither steals the other's cores. Prints one JSON object: the workload,
 both results, and tpserve/vLLM ratios (throughput: higher is better for tpserve; TTFT and TPOT:
 lower is better). Every server it started is stopped on the way out, whatever happens.
+
+Each server is started once and loaded at every level of `--concurrencies` (default 1, 16, 64
+streams; `--prompts-per-stream` prompts per stream, at least 8, the same seeded prompts for both
+servers at a level). Before the servers, the offline engines run on the 16-stream level's
+workload (`bench.offline_compare`: tpserve's LLMEngine vs vLLM's LLM.generate), the third column.
 """
 
 from __future__ import annotations
@@ -50,33 +55,64 @@ def start_vllm(model_dir: Path, args: argparse.Namespace) -> vllm_peer.ManagedSe
     )
 
 
-def bench_one(name: str, start, base_url: str | None, requests, args) -> dict:
-    """Run the load against `base_url`, or against a server `start()` brings up and we stop."""
+def bench_one(name: str, start, base_url: str | None, workloads: dict[int, list], args) -> dict:
+    """Run every level against `base_url`, or against a server `start()` brings up and we stop."""
     server = None
+    results: dict = {}
     try:
         if base_url is None:
             server = start()
             base_url = server.base_url
-        cfg = LoadConfig(base_url=base_url, requests=requests, num_prompts=len(requests),
-                         max_concurrency=args.max_concurrency, request_rate=args.request_rate,
-                         ignore_eos=True, seed=args.seed, max_duration_s=args.max_duration)
-        result = asyncio.run(run_load(cfg))
-        if server is not None:
-            result["server_log"] = str(server.log_path)
-        return result
+            results["server_log"] = str(server.log_path)
+        for concurrency, requests in workloads.items():
+            cfg = LoadConfig(base_url=base_url, requests=requests, num_prompts=len(requests),
+                             max_concurrency=concurrency, request_rate=args.request_rate,
+                             ignore_eos=True, seed=args.seed, max_duration_s=args.max_duration)
+            logger.info("%s: %d streams, %d prompts", name, concurrency, len(requests))
+            results[str(concurrency)] = asyncio.run(run_load(cfg))
+        return results
     except Exception as exc:  # one side failing still leaves the other's figures to report
         logger.exception("%s benchmark failed", name)
-        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        return {**results, "error": f"{type(exc).__name__}: {exc}"[:2000]}
     finally:
         if server is not None:
             logger.info("stopping %s", name)
             server.stop()
 
 
+def run_offline(model_dir: Path, default_model: bool, requests, tokenizer, args) -> dict:
+    from bench.offline_compare import run_tpserve_offline, run_vllm_offline, workload_ids
+
+    workload = workload_ids(tokenizer, requests)
+    out: dict = {}
+    for name, run in (("tpserve", run_tpserve_offline), ("vllm", run_vllm_offline)):
+        if name in args.skip:
+            continue
+        try:
+            out[name] = run(None if default_model and name == "tpserve" else model_dir, workload,
+                            args.dtype, args.max_model_len, args.max_num_seqs)
+        except Exception as exc:
+            logger.exception("offline %s failed", name)
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    t, v = out.get("tpserve", {}), out.get("vllm", {})
+    if t.get("output_tokens_per_s") and v.get("output_tokens_per_s"):
+        out["tpserve_over_vllm"] = round(t["output_tokens_per_s"] / v["output_tokens_per_s"], 3)
+    return out
+
+
 def ratio(a: dict, b: dict, key: str) -> float | None:
     if a.get("completed") and b.get("completed") and b.get(key):
-        return a[key] / b[key]
+        return round(a[key] / b[key], 3)
     return None
+
+
+def level_ratios(t: dict, v: dict) -> dict:
+    """tpserve / vLLM per level: throughput > 1 and TTFT/TPOT < 1 are better for tpserve."""
+    return {
+        level: {key: ratio(t.get(level, {}), v.get(level, {}), key)
+                for key in ("output_token_throughput", "median_ttft_ms", "median_tpot_ms")}
+        for level in t if level.isdigit() and level in v
+    }
 
 
 def _interrupt(_signum, _frame):
@@ -86,11 +122,12 @@ def _interrupt(_signum, _frame):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=None, help="HF folder (default: tpserve's default model)")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--concurrencies", default="1,16,64", help="comma-separated stream counts")
+    p.add_argument("--prompts-per-stream", type=int, default=4, help="prompts per level = this x streams (>= 8)")
+    p.add_argument("--skip-offline", action="store_true", help="no offline LLMEngine vs LLM.generate column")
     p.add_argument("--input-len-min", type=int, default=64)
     p.add_argument("--input-len-max", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--request-rate", type=float, default=math.inf)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", help="dtype of both servers (float32 or bfloat16)")
@@ -114,34 +151,35 @@ def main(argv: list[str] | None = None) -> int:
     from workers.default_model import ensure_default_model
 
     model_dir = Path(args.model_dir) if args.model_dir else ensure_default_model()
-    # One workload, built once, so both servers get exactly the same prompts.
-    requests = random_requests(load_tokenizer(model_dir), args.num_prompts, args.input_len_min,
-                               args.input_len_max, args.output_len, args.seed)
+    # One workload per level, built once, so both servers get exactly the same prompts.
+    tokenizer = load_tokenizer(model_dir)
+    levels = [int(c) for c in args.concurrencies.split(",")]
+    workloads = {c: random_requests(tokenizer, max(8, args.prompts_per_stream * c), args.input_len_min,
+                                    args.input_len_max, args.output_len, args.seed) for c in levels}
     out: dict = {
         "workload": {
-            "model": model_dir.name, "num_prompts": len(requests), "input_len": [args.input_len_min, args.input_len_max],
-            "output_len": args.output_len, "ignore_eos": True, "max_concurrency": args.max_concurrency,
+            "model": model_dir.name, "input_len": [args.input_len_min, args.input_len_max],
+            "output_len": args.output_len, "ignore_eos": True, "dtype": args.dtype,
+            "levels": {str(c): len(r) for c, r in workloads.items()},
             "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "seed": args.seed,
-            "total_input_tokens": sum(r.prompt_len for r in requests),
         },
         "machine": {"cpus": len(os.sched_getaffinity(0)), "loadavg_before": os.getloadavg()},
     }
+    if not args.skip_offline:
+        offline_reqs = workloads[16] if 16 in workloads else workloads[levels[-1]]
+        out["offline"] = run_offline(model_dir, args.model_dir is None, offline_reqs, tokenizer, args)
     if "tpserve" not in args.skip:
         out["tpserve"] = bench_one("tpserve", lambda: start_tpserve(None if args.model_dir is None else model_dir, args),
-                                   args.tpserve_base_url, requests, args)
+                                   args.tpserve_base_url, workloads, args)
     if "vllm" not in args.skip:
-        out["vllm"] = bench_one("vllm", lambda: start_vllm(model_dir, args), args.vllm_base_url, requests, args)
-    t, v = out.get("tpserve", {}), out.get("vllm", {})
-    out["ratios_tpserve_over_vllm"] = {
-        "output_token_throughput": ratio(t, v, "output_token_throughput"),
-        "median_ttft_ms": ratio(t, v, "median_ttft_ms"),
-        "median_tpot_ms": ratio(t, v, "median_tpot_ms"),
-    }
+        out["vllm"] = bench_one("vllm", lambda: start_vllm(model_dir, args), args.vllm_base_url, workloads, args)
+    out["ratios_tpserve_over_vllm"] = level_ratios(out.get("tpserve", {}), out.get("vllm", {}))
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    ok = all(out[k].get("completed") for k in ("tpserve", "vllm") if k in out)
+    ok = all(out[k][str(c)].get("completed") for k in ("tpserve", "vllm") if k in out
+             for c in levels if str(c) in out[k])
     return 0 if ok else 1
 
 
