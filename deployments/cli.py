@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -107,8 +108,15 @@ def serve_command(namespace: argparse.Namespace) -> int:
         print("tpserve: preparing the default model (converted once, then cached) ...", flush=True)
         ensure_default_model()
 
-    # No address: always a fresh local cluster ("local"), never one someone else started here.
-    ray.init(address=namespace.ray_address or "local")
+    if namespace.ray_address:
+        ray.init(address=namespace.ray_address)
+    else:
+        # Always a fresh local cluster ("local"), never one someone else started here, with enough
+        # logical CPUs for the tensor-parallel placement group asked for (one per rank plus the
+        # replica): on a small machine Ray's default (the core count) would leave it pending forever.
+        from workers.placement import local_ray_num_cpus
+
+        ray.init(address="local", num_cpus=local_ray_num_cpus(config.tensor_parallel_size, os.cpu_count() or 1))
     # After ray.init, which installs its own SIGTERM handler: SIGTERM takes the same clean path as
     # Ctrl-C. SIGINT is set explicitly too: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)

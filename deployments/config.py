@@ -42,6 +42,9 @@ class TpserveConfig(BaseModel):
     tensor_parallel_size: int = Field(default=1, gt=0)
     # Placement strategy of the replica's placement group.
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
+    # Refuse at deploy time a placement group the cluster can never hold (else Serve waits forever);
+    # turn off on clusters whose autoscaler adds nodes on demand.
+    check_placement_fits: bool = True
     # Requests allowed to wait before new ones get 503 + Retry-After.
     max_waiting_requests: int = Field(default=1024, gt=0)
     # Fixed replica count (ignored when autoscaling_config is set).
