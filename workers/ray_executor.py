@@ -39,7 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.executor import Executor, ExecutorError
 from workers.model_config import ModelConfig
-from workers.placement import placement_bundles, worker_resources
+from workers.placement import check_cluster_fits, placement_bundles, worker_resources
 from workers.ray_worker import STOP, RayWorker, make_control_channel, make_control_store
 from workers.worker import WorkerConfig, WorkerLoadReport
 
@@ -134,6 +134,8 @@ class RayExecutor(Executor):
                     f"current one has {len(current.bundle_specs)} (see workers/placement.py)")
             return current
         bundles = placement_bundles(n, self.use_gpu, replica_cpus=0)
+        # Fail now, with needed vs available, when no wait could ever make room.
+        check_cluster_fits(n, bundles, self.placement_strategy)
         pg = placement_group(bundles, strategy=self.placement_strategy)
         self._created_pg = pg
         try:
