@@ -15,21 +15,23 @@ import torch
 from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from workers.attention import AttentionMetadata, paged_attention
+from scheduler.block_pool import NULL_BLOCK_ID as NULL_BLOCK
 from workers.cuda_graph import (
     CudaGraphRunner,
-    DecodeBatch,
     DecodePlan,
-    GraphInputBuffers,
     is_decode_only,
     make_capture_sizes,
-    make_decode_batch,
-    pad_decode_batch,
-    padded_block_tables,
     plan_decode,
     select_bucket,
 )
+from workers.decode_inputs import (
+    DecodeBatch,
+    DecodeInputBuffers,
+    make_decode_batch,
+    pad_decode_batch,
+    padded_block_tables,
+)
 from workers.gpu_attention import (
-    NULL_BLOCK,
     DecodeAttention,
     TorchDecodeAttention,
     backend_candidates,
@@ -109,16 +111,23 @@ def test_padding_requests_use_only_the_null_block():
 
 
 def test_static_buffers_are_refilled_in_place():
-    buf = GraphInputBuffers.make(8, 5, torch.device("cpu"))
+    buf = DecodeInputBuffers.make(8, 5, torch.device("cpu"))
     addresses = [t.data_ptr() for t in (buf.input_ids, buf.positions, buf.slot_mapping, buf.block_tables,
                                         buf.context_lens)]
+    staging = {name: t.data_ptr() for name, t in buf.staging.items()}
     buf.block_tables.fill_(99)  # stale rows from an earlier, longer step
     buf.fill(pad_decode_batch(_batch(), 4, BLOCK_SIZE), num_blocks=3)
     assert buf.input_ids[:4].tolist() == [15, 21, 0, 0]
     assert buf.positions[:4].tolist() == [5, 1, 0, 0]
     assert buf.slot_mapping[:4].tolist() == [37, 13, 0, 0]
-    assert buf.block_tables[:4, :3].tolist() == [[7, 9, 0], [3, 0, 0], [0, 0, 0], [0, 0, 0]]
+    # Rows are written (null-padded) up to the widest row, 2 blocks; entries past it are never read
+    # unmasked (kernels stop at the context length), so they may keep an earlier step's ids.
+    assert buf.block_tables[:4, :2].tolist() == [[7, 9], [3, 0], [0, 0], [0, 0]]
+    assert buf.block_tables[4:].eq(99).all()
     assert buf.context_lens[:4].tolist() == [6, 2, 1, 1]
+    assert {name: t.data_ptr() for name, t in buf.staging.items()} == staging  # host mirrors reused too
+    with pytest.raises(ValueError, match="needs 2 blocks"):
+        buf.fill(_batch(), num_blocks=1)
     assert buf.block_tables.dtype == torch.int32 and buf.context_lens.dtype == torch.int32
     assert addresses == [t.data_ptr() for t in (buf.input_ids, buf.positions, buf.slot_mapping,
                                                 buf.block_tables, buf.context_lens)]
@@ -151,7 +160,8 @@ def test_plan_falls_back_to_eager_above_the_largest_size_or_without_graphs():
 
 def test_can_use_predicate():
     runner = CudaGraphRunner(torch.nn.Identity(), [], BLOCK_SIZE, 64, [1, 2, 4], TorchDecodeAttention(),
-                             torch.device("cpu"))
+                             torch.device("cpu"), max_num_seqs=8)
+    assert runner.buffers.input_ids.shape[0] == 8  # eager steps above the largest graph fit too
     batch3 = make_decode_batch([([1, 2], [1], 1)] * 3, BLOCK_SIZE)
     assert not runner.can_use(batch3)  # nothing captured yet (enforce_eager / CPU)
     runner.graphs[(4, 16)] = object()
@@ -175,7 +185,16 @@ def test_backend_candidates():
     assert backend_candidates("flash_attn", {"torch"}, device_type="cuda", block_size=256, dtype=bf16) == ["torch"]
     assert backend_candidates("torch", everything, device_type="cuda", block_size=16, dtype=bf16) == ["torch"]
     with pytest.raises(ValueError):
-        backend_candidates("triton", everything, device_type="cuda", block_size=16, dtype=bf16)
+        backend_candidates("xformers", everything, device_type="cuda", block_size=16, dtype=bf16)
+    # Our Triton kernel comes first on CUDA in any float dtype, for power-of-two block sizes.
+    with_triton = everything | {"triton"}
+    assert backend_candidates("auto", with_triton, device_type="cuda", block_size=16, dtype=bf16) == [
+        "triton", "flashinfer", "torch"]
+    assert backend_candidates("auto", with_triton, device_type="cuda", block_size=16,
+                              dtype=torch.float32) == ["triton", "torch"]
+    assert backend_candidates("auto", with_triton, device_type="cuda", block_size=24, dtype=bf16) == [
+        "flashinfer", "torch"]
+    assert backend_candidates("auto", with_triton, device_type="cpu", block_size=16, dtype=bf16) == ["torch"]
 
 
 def test_cpu_gets_the_torch_backend():
@@ -200,8 +219,8 @@ def test_start_check_measures_the_error_against_torch():
     assert check_against_reference(TorchDecodeAttention(), TorchDecodeAttention(), **kwargs) < 1e-6
 
     class Wrong(TorchDecodeAttention):
-        def forward(self, q, k_cache, v_cache, meta, scale):
-            return super().forward(q, k_cache, v_cache, meta, scale * 2)
+        def forward(self, q, k_cache, v_cache, meta, scale, **options):
+            return super().forward(q, k_cache, v_cache, meta, scale * 2, **options)
 
     assert check_against_reference(Wrong(), TorchDecodeAttention(), **kwargs) > 2e-2
 
@@ -273,7 +292,8 @@ def _cpu_worker(path: str) -> WorkerCore:
 
 def _attach_graphs(worker: WorkerCore, capture_sizes: list[int]) -> tuple[CudaGraphRunner, RerunCapturer]:
     runner = CudaGraphRunner(worker.model, worker.runner.kv_caches, BLOCK_SIZE, worker.config.max_model_len,
-                             capture_sizes, TorchDecodeAttention(), torch.device("cpu"))
+                             capture_sizes, TorchDecodeAttention(), torch.device("cpu"),
+                             max_num_seqs=worker.config.max_num_seqs)
     capturer = RerunCapturer()
     runner.capture(capturer)
     worker.runner.graph_runner = runner

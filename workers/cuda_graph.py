@@ -2,14 +2,15 @@
 
 On GPUs a decode step of a small batch is bound by kernel launches (~15 per layer); replaying a
 captured graph launches them all at once. The runner owns:
-  * static input buffers in one dataclass (token ids, positions, slot mapping, block tables,
-    context lengths) that every graph reads, and each graph's static output;
+  * static input buffers (workers/decode_inputs.py: token ids, positions, slot mapping, block
+    tables, context lengths, refilled from pinned host mirrors) that every graph reads, and each
+    graph's static output;
   * the capture list: batch sizes 1, 2, 4, 8, then steps of 8 up to
     min(max_num_seqs, max_cuda_graph_batch_size), times the attention backend's block-table
     widths; captured largest first on one shared memory pool (smaller graphs reuse its memory);
   * `can_use(batch)`: a decode-only batch no larger than the largest captured size. Such a batch
     is padded to the next captured size with dummy requests (token 0 at position 0, their one
-    K/V slot and every block-table entry in the null block 0, context length 1) and replayed.
+    K/V slot and every block-table entry in the null block, context length 1) and replayed.
 Prefill and mixed steps never come here (the model runner runs them eagerly); a decode batch
 above the largest size, or any decode batch under `enforce_eager`, runs the same forward eagerly.
 
@@ -29,7 +30,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from workers.attention import AttentionMetadata
-from workers.gpu_attention import NULL_BLOCK, DecodeAttention, DecodeAttentionBackend
+from workers.decode_inputs import DecodeBatch, DecodeInputBuffers, pad_decode_batch
+from workers.gpu_attention import DecodeAttention, DecodeAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -57,63 +59,6 @@ def is_decode_only(num_scheduled_tokens: dict[str, int]) -> bool:
     return bool(num_scheduled_tokens) and all(n == 1 for n in num_scheduled_tokens.values())
 
 
-@dataclass
-class DecodeBatch:
-    """Host-side inputs of a decode-only step, one row per request (padding rows included)."""
-
-    # The token each request feeds this step.
-    token_ids: list[int]
-    # Its position in the sequence.
-    positions: list[int]
-    # The KV slot it is written to (block_id * block_size + offset).
-    slots: list[int]
-    # Block ids covering each request's context, in token order (unpadded rows).
-    block_tables: list[list[int]]
-    # Context length of each request, this step's token included.
-    context_lens: list[int]
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def max_num_blocks(self) -> int:
-        return max((len(t) for t in self.block_tables), default=0)
-
-
-def make_decode_batch(requests: list[tuple[list[int], list[int], int]], block_size: int) -> DecodeBatch:
-    """From (token_ids, block_ids, num_computed_tokens) per request: feed token num_computed."""
-    batch = DecodeBatch([], [], [], [], [])
-    for token_ids, block_ids, num_computed in requests:
-        pos = num_computed
-        batch.token_ids.append(token_ids[pos])
-        batch.positions.append(pos)
-        batch.slots.append(block_ids[pos // block_size] * block_size + pos % block_size)
-        batch.block_tables.append(block_ids[: pos // block_size + 1])
-        batch.context_lens.append(pos + 1)
-    return batch
-
-
-def pad_decode_batch(batch: DecodeBatch, size: int, block_size: int) -> DecodeBatch:
-    """Append size - num_reqs dummy requests that read and write only the null block."""
-    pad = size - batch.num_reqs
-    if pad < 0:
-        raise ValueError(f"cannot pad a batch of {batch.num_reqs} down to {size}")
-    null_slot = NULL_BLOCK * block_size
-    return DecodeBatch(
-        token_ids=batch.token_ids + [0] * pad,
-        positions=batch.positions + [0] * pad,
-        slots=batch.slots + [null_slot] * pad,
-        block_tables=batch.block_tables + [[NULL_BLOCK]] * pad,
-        context_lens=batch.context_lens + [1] * pad,
-    )
-
-
-def padded_block_tables(block_tables: list[list[int]], width: int) -> list[list[int]]:
-    """Rows padded with the null block to `width` entries."""
-    return [row + [NULL_BLOCK] * (width - len(row)) for row in block_tables]
-
-
 @dataclass(frozen=True)
 class DecodePlan:
     # Rows the forward runs with (real requests, then padding).
@@ -134,45 +79,6 @@ def plan_decode(num_reqs: int, max_num_blocks: int, capture_sizes: list[int], bl
     if size is None:
         return DecodePlan(num_reqs, num_blocks, use_graph=False)
     return DecodePlan(size, num_blocks, use_graph=True)
-
-
-# ---- static buffers ----------------------------------------------------------------------
-@dataclass
-class GraphInputBuffers:
-    """Every tensor a captured decode forward reads; graphs see views of their leading rows."""
-
-    # [max_batch] token fed to each request.
-    input_ids: torch.Tensor
-    # [max_batch] position of that token.
-    positions: torch.Tensor
-    # [max_batch] KV slot the token's K/V are written to.
-    slot_mapping: torch.Tensor
-    # [max_batch, max_blocks] int32 block tables, padded with the null block.
-    block_tables: torch.Tensor
-    # [max_batch] int32 context lengths (this step's token included).
-    context_lens: torch.Tensor
-
-    @classmethod
-    def make(cls, max_batch: int, max_blocks: int, device: torch.device) -> "GraphInputBuffers":
-        long = dict(dtype=torch.long, device=device)
-        return cls(
-            input_ids=torch.zeros(max_batch, **long),
-            positions=torch.zeros(max_batch, **long),
-            slot_mapping=torch.full((max_batch,), NULL_BLOCK, **long),
-            block_tables=torch.full((max_batch, max_blocks), NULL_BLOCK, dtype=torch.int32, device=device),
-            context_lens=torch.ones(max_batch, dtype=torch.int32, device=device),
-        )
-
-    def fill(self, batch: DecodeBatch, num_blocks: int) -> None:
-        """Copy a (padded) batch into the leading rows; no host sync."""
-        n = batch.num_reqs
-        rows = torch.tensor([batch.token_ids, batch.positions, batch.slots], dtype=torch.long)
-        self.input_ids[:n].copy_(rows[0], non_blocking=True)
-        self.positions[:n].copy_(rows[1], non_blocking=True)
-        self.slot_mapping[:n].copy_(rows[2], non_blocking=True)
-        table = torch.tensor(padded_block_tables(batch.block_tables, num_blocks), dtype=torch.int32)
-        self.block_tables[:n, :num_blocks].copy_(table, non_blocking=True)
-        self.context_lens[:n].copy_(torch.tensor(batch.context_lens, dtype=torch.int32), non_blocking=True)
 
 
 # ---- capture -----------------------------------------------------------------------------
@@ -227,7 +133,7 @@ class CudaGraphRunner:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, max_model_len: int, capture_sizes: list[int],
-                 backend: DecodeAttentionBackend, device: torch.device) -> None:
+                 backend: DecodeAttentionBackend, device: torch.device, max_num_seqs: int = 0) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -236,8 +142,9 @@ class CudaGraphRunner:
         self.device = device
         self.max_blocks = -(-max_model_len // block_size)
         self.block_buckets = backend.block_buckets(self.max_blocks)
-        max_batch = self.capture_sizes[-1] if self.capture_sizes else 1
-        self.buffers = GraphInputBuffers.make(max_batch, self.max_blocks, device)
+        # One set of buffers for graphs and eager steps alike, as many rows as a step can have.
+        max_batch = max(self.capture_sizes[-1] if self.capture_sizes else 1, max_num_seqs)
+        self.buffers = DecodeInputBuffers.make(max_batch, self.max_blocks, device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.stats = GraphStats()
 
@@ -265,8 +172,7 @@ class CudaGraphRunner:
                 dummy = pad_decode_batch(DecodeBatch([], [], [], [], []), size, self.block_size)
                 self.buffers.fill(dummy, width)
                 meta = self._make_meta(self.buffers, size, width, for_graph=True)
-                self.backend.plan(meta.gpu_decode, padded_block_tables(dummy.block_tables, width),
-                                  dummy.context_lens)
+                self.backend.plan(meta.gpu_decode, dummy.block_tables, dummy.context_lens)
                 replay, output = capturer.capture(functools.partial(self._forward, self.buffers, size, meta))
                 self.graphs[(size, width)] = _Graph(replay, output, meta)
         if is_cuda:
@@ -286,31 +192,29 @@ class CudaGraphRunner:
         plan = plan_decode(batch.num_reqs, batch.max_num_blocks, self.capture_sizes, self.block_buckets,
                            self.captured)
         padded = pad_decode_batch(batch, plan.batch_size, self.block_size)
-        tables = padded_block_tables(padded.block_tables, plan.num_blocks)
         if plan.use_graph:
             graph = self.graphs[(plan.batch_size, plan.num_blocks)]
             self.buffers.fill(padded, plan.num_blocks)
-            self.backend.plan(graph.meta.gpu_decode, tables, padded.context_lens)
+            self.backend.plan(graph.meta.gpu_decode, padded.block_tables, padded.context_lens)
             graph.replay()
             self.stats.num_replays += 1
             return graph.output[: batch.num_reqs]
-        # Eager: the graphs' buffers when the batch fits them, else buffers of its own size.
-        buffers = self.buffers
-        if plan.batch_size > buffers.input_ids.shape[0]:
-            buffers = GraphInputBuffers.make(plan.batch_size, self.max_blocks, self.device)
-        buffers.fill(padded, plan.num_blocks)
-        meta = self._make_meta(buffers, plan.batch_size, plan.num_blocks, for_graph=False)
-        self.backend.plan(meta.gpu_decode, tables, padded.context_lens)
+        if plan.batch_size > self.buffers.input_ids.shape[0]:
+            raise ValueError(f"a decode step of {plan.batch_size} requests exceeds max_num_seqs "
+                             f"({self.buffers.input_ids.shape[0]} buffer rows)")
+        self.buffers.fill(padded, plan.num_blocks)
+        meta = self._make_meta(self.buffers, plan.batch_size, plan.num_blocks, for_graph=False)
+        self.backend.plan(meta.gpu_decode, padded.block_tables, padded.context_lens)
         self.stats.num_eager += 1
-        return self._forward(buffers, plan.batch_size, meta)
+        return self._forward(self.buffers, plan.batch_size, meta)
 
-    def _make_meta(self, buf: GraphInputBuffers, size: int, width: int, for_graph: bool) -> AttentionMetadata:
+    def _make_meta(self, buf: DecodeInputBuffers, size: int, width: int, for_graph: bool) -> AttentionMetadata:
         decode = DecodeAttention(buf.block_tables[:size, :width], buf.context_lens[:size], self.backend,
                                  self.backend.make_state(size, width, for_graph))
         return AttentionMetadata(slot_mapping=buf.slot_mapping[:size], num_decodes=size,
                                  decode_block_tables=None, decode_mask=None, prefills=[], gpu_decode=decode)
 
-    def _forward(self, buf: GraphInputBuffers, size: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, buf: DecodeInputBuffers, size: int, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(buf.input_ids[:size], buf.positions[:size], self.kv_caches, meta)
 
 
@@ -324,4 +228,5 @@ def make_graph_runner(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor
     backend = make_decode_backend(attention_backend, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                                   head_dim=attn.head_dim, block_size=block_size, dtype=dtype, device=device)
     return CudaGraphRunner(model, kv_caches, block_size, max_model_len,
-                           make_capture_sizes(max_num_seqs, max_cuda_graph_batch_size), backend, device)
+                           make_capture_sizes(max_num_seqs, max_cuda_graph_batch_size), backend, device,
+                           max_num_seqs=max_num_seqs)

@@ -4,20 +4,23 @@ A decode step gives every request one query token. The kernel reads each request
 through a block table of fixed width and a context-length tensor, both views of the graph
 runner's static buffers, so one captured graph serves any contents of those buffers:
 
-    block_tables [B, num_blocks] int32   block ids in token order, padded with the null block 0
+    block_tables [B, num_blocks] int32   block ids in token order, padded with NULL_BLOCK_ID
     context_lens [B]             int32   tokens in the context, this step's token included (>= 1)
 
-Backends behind one interface (`DecodeAttentionBackend`):
-  * "torch": our own, in plain torch ops (gather the fixed-width context, mask positions at or
-    beyond context_lens, one SDPA call with GQA folded into the query-length dimension). Its cost
-    grows with the gather width, so it offers several widths (`block_buckets`), one graph each.
+Backends behind one interface (`DecodeAttentionBackend`), each taking `scale` and the optional
+`sliding_window` (attend to the last W positions) and `logits_soft_cap` (c * tanh(s / c)):
+  * "triton": our paged kernel (workers/triton_paged_attention.py). It reads K/V blocks in
+    place through the block table, only those a request holds, so one table width serves every
+    context length. The default on CUDA.
+  * "torch": the reference in plain torch ops (gather the fixed-width context, mask positions
+    outside [context_len - W, context_len), softmax). Its cost grows with the gather width, so it
+    offers several widths (`block_buckets`), one graph each. The CPU tests run it.
   * "flash_attn": FlashAttention's `flash_attn_with_kvcache` with `block_table` (FA2 needs the
     KV block size to be a multiple of 256).
   * "flashinfer": FlashInfer's paged decode wrapper (one CUDA-graph wrapper per batch size,
-    planned on the host before each replay).
-The kernel libraries read only the blocks a request holds, so they need one width only.
-`make_decode_backend("auto", ...)` picks an installed library that passes a numerical check
-against the torch backend at start, else the torch backend.
+    planned on the host before each replay; no window or soft cap here).
+`make_decode_backend("auto", ...)` picks the first usable candidate that passes a numerical
+check against the torch reference at start, else the torch backend.
 """
 
 from __future__ import annotations
@@ -30,14 +33,14 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from scheduler.block_pool import NULL_BLOCK_ID
+
 logger = logging.getLogger(__name__)
 
-# Block 0 is never allocated: padding rows and padded block-table entries point at it.
-NULL_BLOCK = 0
 # Gather widths of the torch backend, in blocks: the first, then x4 each, capped by the maximum.
 FIRST_BLOCK_BUCKET = 16
 BLOCK_BUCKET_FACTOR = 4
-BACKEND_NAMES = ("torch", "flash_attn", "flashinfer")
+BACKEND_NAMES = ("torch", "triton", "flash_attn", "flashinfer")
 
 
 def context_block_buckets(max_blocks: int, first: int = FIRST_BLOCK_BUCKET,
@@ -56,7 +59,7 @@ def context_block_buckets(max_blocks: int, first: int = FIRST_BLOCK_BUCKET,
 class DecodeAttention:
     """Addressing of one decode-only forward (views of static buffers when graphed)."""
 
-    # [B, num_blocks] int32 block ids per request, padded with NULL_BLOCK.
+    # [B, num_blocks] int32 block ids per request, padded with NULL_BLOCK_ID.
     block_tables: torch.Tensor
     # [B] int32 context length per request including this step's token; padding rows hold 1.
     context_lens: torch.Tensor
@@ -65,9 +68,11 @@ class DecodeAttention:
     # Backend state tied to this batch size (FlashInfer's wrapper), or None.
     state: Any = None
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, *,
+                sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
         """q [B, H, D] -> [B, H * D]; this step's K/V must already be written into the caches."""
-        return self.backend.forward(q, k_cache, v_cache, self, scale)
+        return self.backend.forward(q, k_cache, v_cache, self, scale, sliding_window=sliding_window,
+                                    logits_soft_cap=logits_soft_cap)
 
 
 class DecodeAttentionBackend(Protocol):
@@ -80,15 +85,45 @@ class DecodeAttentionBackend(Protocol):
         """Per-(batch size, width) state, made once before capture (None when not needed)."""
 
     def plan(self, meta: DecodeAttention, block_tables: list[list[int]], context_lens: list[int]) -> None:
-        """Host-side work before the forward or replay (rows as padded to the batch size)."""
+        """Host-side work before the forward or replay (rows padded to the batch size, each row
+        unpadded: the blocks of its context)."""
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: DecodeAttention, scale: float) -> torch.Tensor:
+                meta: DecodeAttention, scale: float, *, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         """q [B, H, D], caches [num_blocks, block_size, KVH, D] -> [B, H * D]."""
 
 
+def torch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                       sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """The reference: gather the whole table width, mask, softmax. Same contract as the kernel."""
+    num_reqs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    width = block_tables.shape[1] * k_cache.shape[1]
+    # [B, nb, block_size, KVH, D] -> [B, KVH, width, D]
+    k = k_cache[block_tables.long()].flatten(1, 2).transpose(1, 2)
+    v = v_cache[block_tables.long()].flatten(1, 2).transpose(1, 2)
+    positions = torch.arange(width, device=q.device)[None, :]
+    lens = context_lens[:, None]
+    valid = positions < lens
+    if sliding_window is not None:
+        valid = valid & (positions >= lens - sliding_window)
+    mask = valid[:, None, None, :]
+    # The G query heads of one KV head become G "query positions" of that head.
+    qd = q.view(num_reqs, kv_heads, num_heads // kv_heads, head_dim)
+    if logits_soft_cap is None:
+        out = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.matmul(qd.float(), k.float().transpose(-1, -2)) * scale
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        out = torch.matmul(probs, v.float()).to(q.dtype)
+    return out.reshape(num_reqs, num_heads * head_dim)
+
+
 class TorchDecodeAttention:
-    """Our own kernel in torch ops; works on any device (the CPU tests run it)."""
+    """The reference kernel in torch ops; works on any device (the CPU tests run it)."""
 
     name = "torch"
 
@@ -101,19 +136,33 @@ class TorchDecodeAttention:
     def plan(self, meta: DecodeAttention, block_tables: list[list[int]], context_lens: list[int]) -> None:
         return None
 
-    def forward(self, q, k_cache, v_cache, meta, scale):
-        num_reqs, num_heads, head_dim = q.shape
-        kv_heads = k_cache.shape[2]
-        width = meta.block_tables.shape[1] * k_cache.shape[1]
-        # [B, nb, block_size, KVH, D] -> [B, KVH, width, D]
-        k = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
-        v = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
-        positions = torch.arange(width, device=q.device)
-        mask = (positions[None, :] < meta.context_lens[:, None])[:, None, None, :]
-        # The G query heads of one KV head become G "query positions" of that head.
-        qd = q.view(num_reqs, kv_heads, num_heads // kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
-        return out.reshape(num_reqs, num_heads * head_dim)
+    def forward(self, q, k_cache, v_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
+        return torch_paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+
+
+class TritonDecodeAttention:
+    """workers/triton_paged_attention.py: reads only the blocks a request holds, one width."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from workers.triton_paged_attention import triton_paged_decode
+
+        self._fn = triton_paged_decode
+
+    def block_buckets(self, max_blocks: int) -> list[int]:
+        return [max_blocks]
+
+    def make_state(self, batch_size: int, num_blocks: int, for_graph: bool) -> Any:
+        return None
+
+    def plan(self, meta, block_tables, context_lens) -> None:
+        return None
+
+    def forward(self, q, k_cache, v_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
+        return self._fn(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
 class FlashAttnDecodeAttention:
@@ -136,10 +185,12 @@ class FlashAttnDecodeAttention:
     def plan(self, meta, block_tables, context_lens) -> None:
         return None
 
-    def forward(self, q, k_cache, v_cache, meta, scale):
+    def forward(self, q, k_cache, v_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
         num_reqs, num_heads, head_dim = q.shape
+        window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
         out = self._fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                       block_table=meta.block_tables, softmax_scale=scale, causal=True)
+                       block_table=meta.block_tables, softmax_scale=scale, causal=True, window_size=window,
+                       softcap=logits_soft_cap or 0.0)
         return out.reshape(num_reqs, num_heads * head_dim)
 
 
@@ -192,7 +243,9 @@ class FlashInferDecodeAttention:
             bs, pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale,
         )
 
-    def forward(self, q, k_cache, v_cache, meta, scale):
+    def forward(self, q, k_cache, v_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
+        if sliding_window is not None or logits_soft_cap is not None:
+            raise NotImplementedError("the FlashInfer decode backend here plans without window or soft cap")
         out = meta.state.run(q, (k_cache, v_cache))
         return out.reshape(q.shape[0], -1)
 
@@ -200,6 +253,8 @@ class FlashInferDecodeAttention:
 def available_backends() -> set[str]:
     """Backends whose library can be imported here (torch always)."""
     found = {"torch"}
+    if importlib.util.find_spec("triton") is not None:
+        found.add("triton")
     if importlib.util.find_spec("flash_attn") is not None:
         found.add("flash_attn")
     if importlib.util.find_spec("flashinfer") is not None:
@@ -211,19 +266,22 @@ def backend_candidates(requested: str, available: set[str], *, device_type: str,
                        dtype: torch.dtype) -> list[str]:
     """Backends to try in order (pure: the decision without importing anything).
 
-    "auto" prefers the kernel libraries on CUDA in 16-bit dtypes; FA2's paged KV needs a block
-    size that is a multiple of 256. The torch backend always ends the list.
+    "auto" prefers our Triton kernel on CUDA (any float dtype, power-of-two block sizes), then
+    the kernel libraries in 16-bit dtypes; FA2's paged KV needs a block size that is a multiple
+    of 256. The torch backend always ends the list.
     """
     if requested not in ("auto", *BACKEND_NAMES):
         raise ValueError(f"unknown decode attention backend {requested!r}; choose auto or one of {BACKEND_NAMES}")
     usable = set()
+    if device_type == "cuda" and "triton" in available and block_size & (block_size - 1) == 0:
+        usable.add("triton")
     if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         if "flash_attn" in available and block_size % 256 == 0:
             usable.add("flash_attn")
         if "flashinfer" in available:
             usable.add("flashinfer")
     if requested == "auto":
-        order = [name for name in ("flash_attn", "flashinfer") if name in usable]
+        order = [name for name in ("triton", "flash_attn", "flashinfer") if name in usable]
     elif requested == "torch":
         order = []
     else:
@@ -245,8 +303,10 @@ def make_decode_backend(requested: str, *, num_heads: int, num_kv_heads: int, he
         if name == "torch":
             return reference
         try:
-            if name == "flash_attn":
-                backend: DecodeAttentionBackend = FlashAttnDecodeAttention()
+            if name == "triton":
+                backend: DecodeAttentionBackend = TritonDecodeAttention()
+            elif name == "flash_attn":
+                backend = FlashAttnDecodeAttention()
             else:
                 backend = FlashInferDecodeAttention(num_heads, num_kv_heads, head_dim, block_size, dtype,
                                                     scale, device)
@@ -279,7 +339,7 @@ def check_against_reference(backend: DecodeAttentionBackend, reference: DecodeAt
     tables, next_block = [], 1
     for ctx in context_lens:
         pages = -(-ctx // block_size)
-        tables.append(list(range(next_block, next_block + pages)) + [NULL_BLOCK] * (width - pages))
+        tables.append(list(range(next_block, next_block + pages)) + [NULL_BLOCK_ID] * (width - pages))
         next_block += pages
     bt = torch.tensor(tables, dtype=torch.int32, device=device)
     cl = torch.tensor(context_lens, dtype=torch.int32, device=device)

@@ -17,7 +17,8 @@ import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.attention import AttentionMetadata, PrefillChunk
-from workers.cuda_graph import CudaGraphRunner, is_decode_only, make_decode_batch
+from workers.cuda_graph import CudaGraphRunner, is_decode_only
+from workers.decode_inputs import DecodeBatch, decode_mask, make_decode_batch, padded_block_tables, slot_of
 from workers.input_batch import CachedRequestState, RequestStates
 from workers.decoder import DecoderForCausalLM
 from workers.sampler import SamplingRow, sample
@@ -70,35 +71,33 @@ class ModelRunner:
         return result
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The flat batch of a step on the CPU path: decodes first (the shared decode layout),
+        then prefill chunks."""
         states = self.requests.states
         decodes, prefills = [], []
         for req_id, num in out.num_scheduled_tokens.items():
-            (decodes if num == 1 else prefills).append((states[req_id], num))
+            if num == 1:
+                decodes.append(states[req_id])
+            else:
+                prefills.append((states[req_id], num))
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        samplers: list[tuple[str, int]] = []
+        batch, samplers = self._decode_rows(decodes)
+        input_ids, positions, slots = list(batch.token_ids), list(batch.positions), list(batch.slots)
 
         def add_tokens(state: CachedRequestState, num: int) -> None:
             start = state.num_computed_tokens
             input_ids.extend(state.token_ids[start : start + num])
             for pos in range(start, start + num):
                 positions.append(pos)
-                slots.append(state.block_ids[pos // bs] * bs + pos % bs)
+                slots.append(slot_of(state.block_ids, pos, bs))
             if start + num == len(state.token_ids):
                 samplers.append((state.req_id, len(input_ids) - 1))
 
-        for state, num in decodes:
-            add_tokens(state, num)
-        decode_tables = decode_mask = None
+        decode_tables = decode_context_mask = None
         if decodes:
-            context_lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-            max_blocks = max(-(-c // bs) for c in context_lens)
-            table = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks])) for s, _ in decodes]
-            decode_tables = torch.tensor(table, dtype=torch.long, device=self.device)
-            lens = torch.tensor(context_lens, device=self.device)
-            decode_mask = (torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+            width = batch.max_num_blocks
+            decode_tables = torch.tensor(padded_block_tables(batch.block_tables, width), device=self.device)
+            decode_context_mask = decode_mask(torch.tensor(batch.context_lens, device=self.device), width * bs)
 
         chunks: list[PrefillChunk] = []
         for state, num in prefills:
@@ -116,7 +115,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=len(decodes),
             decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
+            decode_mask=decode_context_mask,
             prefills=chunks,
         )
         return StepInputs(
@@ -128,11 +127,16 @@ class ModelRunner:
 
     def _run_decode(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[str, int]]]:
         """A decode-only step through the graph runner, rows in the same order as prepare_inputs."""
-        states = [self.requests.states[req_id] for req_id in out.num_scheduled_tokens]
+        batch, samplers = self._decode_rows([self.requests.states[req_id] for req_id in out.num_scheduled_tokens])
+        return self.graph_runner.run(batch), samplers
+
+    def _decode_rows(self, states: list[CachedRequestState]) -> tuple[DecodeBatch, list[tuple[str, int]]]:
+        """The decode layout of these requests, and (request id, row) of those that sample: a
+        one-token step that is not the last prompt token computes K/V only."""
         batch = make_decode_batch([(s.token_ids, s.block_ids, s.num_computed_tokens) for s in states],
                                   self.block_size)
         samplers = [(s.req_id, i) for i, s in enumerate(states) if s.num_computed_tokens + 1 == len(s.token_ids)]
-        return self.graph_runner.run(batch), samplers
+        return batch, samplers
 
     def _sample(self, hidden: torch.Tensor, samplers: list[tuple[str, int]],
                 bitmasks: dict[str, list[int]]) -> ModelRunnerOutput | None:

@@ -1,0 +1,175 @@
+"""The Triton paged decode kernel against the torch reference (CPU: Triton's interpreter).
+
+Random shapes (GQA groups 1/3/4, head dims 64 and a non-power-of-two 48, block sizes 16 and 8),
+ragged context lengths (1, block multiples, one past a block), shuffled block ids, padding rows
+(context 1 in the null block), tables wider than any context, one or several splits, a sliding
+window and logit soft-capping. On a CUDA machine the same tests run the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before triton.jit wraps the kernels (i.e. before the module is imported).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed (it is in the `test` extra)")
+
+from scheduler.block_pool import NULL_BLOCK_ID  # noqa: E402
+from workers.gpu_attention import (  # noqa: E402
+    DecodeAttention,
+    TorchDecodeAttention,
+    TritonDecodeAttention,
+    check_against_reference,
+    torch_paged_decode,
+)
+from workers.triton_paged_attention import num_kv_splits, triton_paged_decode  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_case(seed: int, context_lens: list[int], *, num_heads: int, num_kv_heads: int, head_dim: int,
+              block_size: int, num_padding_rows: int = 0, extra_width: int = 1, dtype=torch.float32):
+    """Caches with random contents (the null block too), each request's blocks drawn at random
+    from the pool, tables padded with the null block, padding rows of context 1 at the end."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-c // block_size) for c in context_lens]
+    num_blocks = 1 + sum(pages) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    width = max(pages) + extra_width
+    tables, lens = [], []
+    for n, ctx in zip(pages, context_lens):
+        row, ids = ids[:n], ids[n:]
+        tables.append(row + [NULL_BLOCK_ID] * (width - n))
+        lens.append(ctx)
+    for _ in range(num_padding_rows):
+        tables.append([NULL_BLOCK_ID] * width)
+        lens.append(1)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    to = dict(device=DEVICE)
+    return (q.to(**to), k_cache.to(**to), v_cache.to(**to),
+            torch.tensor(tables, dtype=torch.int32, **to), torch.tensor(lens, dtype=torch.int32, **to))
+
+
+SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size)
+    (4, 4, 64, 16),   # MHA
+    (9, 3, 64, 16),   # SmolLM2-135M: groups of 3 (not a power of two)
+    (8, 2, 48, 16),   # head dim not a power of two
+    (4, 1, 32, 8),    # MQA, a smaller block
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"h{a}kv{b}d{c}bs{d}" for a, b, c, d in SHAPES])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernel_matches_reference_ragged_contexts_and_padding(shape, num_splits):
+    heads, kv_heads, dim, bs = shape
+    gen = torch.Generator().manual_seed(heads * 100 + dim + num_splits)
+    ragged = [1, bs, bs + 1, 3 * bs - 1] + torch.randint(1, 6 * bs, (2,), generator=gen).tolist()
+    q, k, v, tables, lens = make_case(num_splits, ragged, num_heads=heads, num_kv_heads=kv_heads,
+                                      head_dim=dim, block_size=bs, num_padding_rows=2)
+    got = triton_paged_decode(q, k, v, tables, lens, dim ** -0.5, num_splits=num_splits)
+    expected = torch_paged_decode(q, k, v, tables, lens, dim ** -0.5)
+    assert got.shape == (len(lens), heads * dim)
+    assert torch.isfinite(got).all()  # padding rows too
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(5, None), (16, None), (None, 2.0), (7, 1.5), (1000, None)])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sliding_window_and_soft_cap_match_reference(window, soft_cap, num_splits):
+    q, k, v, tables, lens = make_case(7, [1, 4, 17, 40, 63], num_heads=8, num_kv_heads=2, head_dim=32,
+                                      block_size=16, num_padding_rows=1)
+    scale = 0.3  # not head_dim ** -0.5: the scale is taken as given
+    kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
+    got = triton_paged_decode(q, k, v, tables, lens, scale, num_splits=num_splits, **kwargs)
+    expected = torch_paged_decode(q, k, v, tables, lens, scale, **kwargs)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    if window is not None and window < 40:
+        # The window changes the answer for long contexts (the test would pass with it ignored otherwise).
+        plain = torch_paged_decode(q, k, v, tables, lens, scale, logits_soft_cap=soft_cap)
+        assert not torch.allclose(got[3], plain[3], atol=1e-3)
+
+
+def test_reference_window_keeps_the_last_w_positions():
+    """The reference itself: a window of W equals attention over only the last W keys."""
+    q, k, v, tables, lens = make_case(3, [37], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
+    window = 6
+    got = torch_paged_decode(q, k, v, tables, lens, 0.25, sliding_window=window)
+    keys = k[tables[0, :3].long()].flatten(0, 1)[37 - window : 37, 0]  # [W, D]
+    values = v[tables[0, :3].long()].flatten(0, 1)[37 - window : 37, 0]
+    probs = (q[0] @ keys.T * 0.25).softmax(-1)
+    torch.testing.assert_close(got[0], (probs @ values).flatten())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy; saturates to +-cap
+def test_soft_cap_bounds_the_scores():
+    """With a tiny cap every score is within +-cap, so the output nears the mean of the values."""
+    q, k, v, tables, lens = make_case(5, [20], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
+    q = q * 100
+    got = triton_paged_decode(q, k, v, tables, lens, 1.0, logits_soft_cap=1e-4)
+    mean_v = v[tables[0, :2].long()].flatten(0, 1)[:20, 0].mean(0)
+    torch.testing.assert_close(got[0, :16], mean_v, atol=1e-3, rtol=1e-3)
+
+
+def test_half_precision_inputs():
+    q, k, v, tables, lens = make_case(11, [3, 30], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                                      dtype=torch.float16)
+    got = triton_paged_decode(q, k, v, tables, lens, 32 ** -0.5)
+    assert got.dtype == torch.float16
+    expected = torch_paged_decode(q.float(), k.float(), v.float(), tables, lens, 32 ** -0.5)
+    torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_only_the_blocks_of_the_context_are_read():
+    """Entries past a request's last block (stale ids from an earlier, longer step) are never read:
+    NaN-poisoned blocks there leave the output unchanged."""
+    q, k, v, tables, lens = make_case(13, [20, 5], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                                      extra_width=2)
+    expected = triton_paged_decode(q, k, v, tables, lens, 0.2)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    used = set(tables.tolist()[0][:2] + tables.tolist()[1][:1])
+    stale = next(b for b in range(1, k.shape[0]) if b not in used)
+    poisoned_k[stale] = float("nan")
+    poisoned_v[stale] = float("nan")
+    stale_tables = tables.clone()
+    stale_tables[0, 2:] = stale
+    stale_tables[1, 1:] = stale
+    got = triton_paged_decode(q, poisoned_k, poisoned_v, stale_tables, lens, 0.2)
+    torch.testing.assert_close(got, expected)
+
+
+def test_backend_interface_and_start_check():
+    backend = TritonDecodeAttention()
+    assert backend.block_buckets(512) == [512]  # reads in place: one table width serves all
+    error = check_against_reference(backend, TorchDecodeAttention(), num_heads=8, num_kv_heads=2, head_dim=32,
+                                    block_size=16, dtype=torch.float32, device=DEVICE)
+    assert error < 1e-5
+    q, k, v, tables, lens = make_case(17, [9, 33], num_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
+    meta = DecodeAttention(tables, lens, backend)
+    got = meta.forward(q, k, v, 0.5, sliding_window=8, logits_soft_cap=3.0)
+    ref = DecodeAttention(tables, lens, TorchDecodeAttention()).forward(q, k, v, 0.5, sliding_window=8,
+                                                                         logits_soft_cap=3.0)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("batch", "kv_heads", "max_blocks", "expected"), [
+    (1, 3, 64, 8),      # one request: split its 64 blocks 8 ways (>= 8 blocks each)
+    (1, 8, 8192, 32),   # 128k context: capped at 32 splits
+    (64, 8, 8192, 1),   # 512 programs already
+    (8, 3, 4, 1),       # short tables are never split
+    (2, 2, 1000, 32),
+])
+def test_num_kv_splits(batch, kv_heads, max_blocks, expected):
+    assert num_kv_splits(batch, kv_heads, max_blocks) == expected
+
+
+def test_rejects_shapes_the_kernel_cannot_serve():
+    q, k, v, tables, lens = make_case(1, [5], num_heads=6, num_kv_heads=4, head_dim=16, block_size=16)
+    with pytest.raises(ValueError, match="group"):
+        triton_paged_decode(q, k[..., :4, :], v[..., :4, :], tables, lens, 1.0)

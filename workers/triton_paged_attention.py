@@ -1,0 +1,176 @@
+"""Paged decode attention in Triton: K/V read in place through the block table, no gather.
+
+One decode step gives each request one query token. Program (request b, KV head h, split s)
+walks the cache blocks of split s of request b's context, block by block, and keeps an online
+softmax for the G query heads that share KV head h (GQA: K/V are loaded once per group). With
+one split it writes the normalised output; with several (long contexts at small batches, where
+B x KV heads programs would leave most of the GPU idle) each split writes a partial
+(max, sum, accumulator) and a second kernel merges them (flash-decoding).
+
+Graph-safe: the launch grid depends only on the batch size, the block-table width and the
+number of splits, all fixed per captured graph; context lengths and block ids are read on the
+device, so replays with new contents need no host work and no host sync.
+
+Options per call (all layers of a model may differ): `scale` (the score multiplier),
+`sliding_window` W (attend to the last W positions only: keys at positions >= context_len - W),
+`logits_soft_cap` c (scores -> c * tanh(scores / c), after scaling, as Gemma 2 does).
+Padding rows hold context length 1 and a table of null blocks: they read one slot of the null
+block and produce finite garbage that the caller drops.
+
+Import this module only where Triton is installed (CUDA builds of torch ship it; CPU tests run
+the kernels under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Aim for at least this many programs per launch before splitting contexts (an H200 has 132
+# SMs; a few programs per SM hide memory latency).
+TARGET_PROGRAMS = 512
+# No split covers fewer blocks than this (a split's fixed cost is one partial write and merge).
+MIN_BLOCKS_PER_SPLIT = 8
+MAX_SPLITS = 32
+
+
+def num_kv_splits(batch_size: int, num_kv_heads: int, max_blocks: int) -> int:
+    """Splits per request's context: enough programs to fill the GPU, each split >= 8 blocks."""
+    programs = batch_size * num_kv_heads
+    wanted = max(1, -(-TARGET_PROGRAMS // programs))
+    by_length = max(1, max_blocks // MIN_BLOCKS_PER_SPLIT)
+    return int(min(wanted, by_length, MAX_SPLITS))
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale, soft_cap, window, blocks_per_split,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(lens_ptr + req)
+    first_pos = 0
+    if USE_WINDOW:
+        first_pos = tl.maximum(ctx_len - window, 0)
+    num_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
+    start_block = tl.maximum(split * blocks_per_split, first_pos // BLOCK_SIZE)
+    end_block = tl.minimum((split + 1) * blocks_per_split, num_blocks)
+
+    heads = kv_head * GROUP + tl.arange(0, GROUP_P2)
+    head_ok = tl.arange(0, GROUP_P2) < GROUP
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    offsets = tl.arange(0, BLOCK_SIZE)
+    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+
+    m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, DIM_P2], tl.float32)
+    for block in range(start_block, end_block):
+        block_id = tl.load(tables_ptr + req * stride_tb + block).to(tl.int64)
+        kv_offsets = (block_id * stride_kb + offsets[:, None] * stride_kt + kv_head * stride_kh + dims[None, :])
+        k = tl.load(k_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0).to(tl.float32)
+        # [GROUP_P2, BLOCK_SIZE] scores of the group's heads against this block's keys.
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        if USE_SOFT_CAP:
+            scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
+        pos = block * BLOCK_SIZE + offsets
+        valid = (pos < ctx_len) & (pos >= first_pos)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A row that has seen no valid key yet keeps m = -inf; exp(-inf - -inf) must not be NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+
+    store_mask = head_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # Partials laid out [B, NUM_HEADS, NUM_SPLITS] (+ DIM_P2 for the accumulator).
+        row = (req * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + row, m_i, mask=head_ok)
+        tl.store(part_l_ptr + row, l_i, mask=head_ok)
+        tl.store(part_acc_ptr + row[:, None] * DIM_P2 + dims[None, :], acc, mask=head_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    split_ok = splits < NUM_SPLITS
+    dims = tl.arange(0, DIM_P2)
+    row = (req * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(part_m_ptr + row, mask=split_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + row, mask=split_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * DIM_P2 + dims[None, :], mask=split_ok[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    total = tl.sum(l * weight, axis=0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + req * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                        num_splits: int | None = None) -> torch.Tensor:
+    """q [B, H, D], caches [num_blocks, block_size, KVH, D], block_tables [B, W] int32,
+    context_lens [B] int32 (>= 1) -> [B, H * D] in q's dtype."""
+    num_reqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if block_size & (block_size - 1):
+        raise ValueError(f"the Triton decode kernel needs a power-of-two block size, got {block_size}")
+    if k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("K and V caches must share one layout with a contiguous head dimension")
+    q = q.contiguous()
+    group = num_heads // num_kv_heads
+    splits = num_splits or num_kv_splits(num_reqs, num_kv_heads, block_tables.shape[1])
+    splits = max(1, min(splits, block_tables.shape[1]))
+    blocks_per_split = -(-block_tables.shape[1] // splits)
+    dim_p2 = triton.next_power_of_2(head_dim)
+    out = torch.empty(num_reqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if splits > 1:
+        part_m = torch.empty(num_reqs * num_heads * splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(num_reqs * num_heads * splits, dim_p2, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    _decode_split_kernel[(num_reqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
+        float(scale), float(logits_soft_cap or 1.0), int(sliding_window or 0), blocks_per_split,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_P2=max(triton.next_power_of_2(group), 1), HEAD_DIM=head_dim,
+        DIM_P2=dim_p2, BLOCK_SIZE=block_size, NUM_SPLITS=splits, USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=logits_soft_cap is not None,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_reqs, num_heads)](
+            part_m, part_l, part_acc, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim, DIM_P2=dim_p2, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+        )
+    return out.view(num_reqs, num_heads * head_dim)
