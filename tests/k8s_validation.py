@@ -567,3 +567,91 @@ def iter_panels(panels: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     for panel in panels:
         yield panel
         yield from iter_panels(panel.get("panels", []))
+
+
+# ---------------------------------------------------------------------------------------------
+# NetworkPolicy semantics (ingress only), for "who can reach which port" checks
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A client pod: its labels and its namespace's labels (same_namespace: the policy's own)."""
+
+    labels: dict[str, str] = field(default_factory=dict)
+    namespace_labels: dict[str, str] = field(default_factory=dict)
+    same_namespace: bool = False
+
+
+def selector_matches(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels and matchExpressions In/NotIn/Exists/DoesNotExist); {} = all."""
+    if selector is None:
+        return False
+    unknown = set(selector) - {"matchLabels", "matchExpressions"}
+    if unknown:
+        raise ValueError(f"unknown selector keys {unknown}")
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        present = key in labels
+        ok = {
+            "In": present and labels.get(key) in values,
+            "NotIn": not present or labels.get(key) not in values,
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def _peer_allowed(rule_from: list[dict[str, Any]] | None, peer: Peer) -> bool:
+    if not rule_from:  # absent or empty: every source
+        return True
+    for source in rule_from:
+        if "ipBlock" in source:
+            continue  # pods are not addressed by IP here
+        pod_sel, ns_sel = source.get("podSelector"), source.get("namespaceSelector")
+        if ns_sel is None:
+            # podSelector alone: pods of the policy's own namespace.
+            if peer.same_namespace and selector_matches(pod_sel, peer.labels):
+                return True
+        elif selector_matches(ns_sel, peer.namespace_labels) and (
+            pod_sel is None or selector_matches(pod_sel, peer.labels)
+        ):
+            return True
+    return False
+
+
+def _port_allowed(rule_ports: list[dict[str, Any]] | None, port: int, named: dict[str, int]) -> bool:
+    if not rule_ports:
+        return True
+    for entry in rule_ports:
+        if entry.get("protocol", "TCP") != "TCP":
+            continue
+        value = entry.get("port")
+        number = named.get(value) if isinstance(value, str) else value
+        if value is None or (number is not None and number <= port <= entry.get("endPort", number)):
+            return True
+    return False
+
+
+def ingress_allowed(
+    policies: list[dict[str, Any]], pod_labels: dict[str, str], named_ports: dict[str, int], port: int, peer: Peer
+) -> bool:
+    """Whether `peer` may open TCP `port` on a pod with `pod_labels`, under these policies (one
+    namespace): allowed when no policy isolates the pod for ingress, else when some rule allows."""
+    isolating = [
+        p
+        for p in policies
+        if selector_matches(p["spec"].get("podSelector", {}), pod_labels)
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+    ]
+    if not isolating:
+        return True
+    return any(
+        _peer_allowed(rule.get("from"), peer) and _port_allowed(rule.get("ports"), port, named_ports)
+        for policy in isolating
+        for rule in policy["spec"].get("ingress") or []
+    )

@@ -184,6 +184,7 @@ def test_k8s_folder_has_the_expected_documents():
     kinds = sorted((path.name, doc["kind"]) for path, doc in all_k8s_documents())
     assert ("podmonitor.yaml", "PodMonitor") in kinds
     assert ("rayservice.yaml", "RayService") in kinds
+    assert ("networkpolicy.yaml", "NetworkPolicy") in kinds
 
 
 @pytest.mark.parametrize(
