@@ -49,3 +49,48 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
 
 def kv_spec_for(cfg: ModelConfig, block_size: int, num_local_kv_heads: int, dtype: torch.dtype) -> KVCacheSpec:
     return KVCacheSpec(cfg.num_hidden_layers, block_size, num_local_kv_heads, cfg.head_dim, dtype)
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What one GPU rank measured before sizing its KV cache (bytes)."""
+
+    # Device memory.
+    total: int
+    # In use on the device after the weights were loaded and the profiling runs ended (allocator
+    # cache emptied): weights, the CUDA context, NCCL buffers, other processes on the device.
+    in_use: int
+    # This rank's weights (part of in_use; for the log).
+    weights: int
+    # Highest transient activation peak above in_use: a prefill of the largest chunk, or the
+    # widest decode (max_num_seqs rows, the longest block table) followed by the sampler.
+    activation_peak: int
+    # The decode graphs' private memory pool, held for the server's life: the widest decode's
+    # peak (graphs are captured largest first and the smaller ones reuse its pool); 0 when eager.
+    graph_pool: int
+
+
+class KVCacheTooSmallError(ValueError):
+    """The KV budget cannot hold one request of max_model_len tokens."""
+
+
+def gpu_kv_budget(profile: MemoryProfile, gpu_memory_utilization: float) -> tuple[int, str]:
+    """vLLM's rule: utilization x total, minus what is in use after weights and profiling, minus
+    the activation peak and the graph pool. Returns (bytes, a one-line derivation for the log)."""
+    requested = int(gpu_memory_utilization * profile.total)
+    budget = requested - profile.in_use - profile.activation_peak - profile.graph_pool
+    note = (f"{gpu_memory_utilization:.2f} x {profile.total / GiB:.1f} GiB - in use {profile.in_use / GiB:.2f} GiB "
+            f"(weights {profile.weights / GiB:.2f}) - activation peak {profile.activation_peak / GiB:.2f} GiB "
+            f"- decode graph pool {profile.graph_pool / GiB:.2f} GiB")
+    return max(budget, 0), note
+
+
+def check_room_for_one_request(num_blocks: int, block_size: int, max_model_len: int, budget_note: str) -> None:
+    """Refuse to start when the cache cannot hold one full-length request (plus the null block)."""
+    needed = -(-max_model_len // block_size) + 1
+    if num_blocks < needed:
+        raise KVCacheTooSmallError(
+            f"the KV cache has room for {num_blocks} blocks of {block_size} tokens, but one request of "
+            f"max_model_len={max_model_len} needs {needed} (the null block included); budget: {budget_note}. "
+            "Raise gpu_memory_utilization, lower max_model_len or max_num_seqs, or add tensor-parallel ranks."
+        )

@@ -14,7 +14,8 @@ import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cuda_graph import CudaGraphRunner, make_graph_runner
-from workers.kv_cache import GiB, KVCacheSpec, allocate_kv_cache, kv_spec_for, num_blocks_for_budget
+from workers.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, check_room_for_one_request, gpu_kv_budget,
+                              kv_spec_for, num_blocks_for_budget)
 from workers.decoder import DecoderForCausalLM, build_model
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner
@@ -100,18 +101,12 @@ class WorkerCore:
         if self.device.type != "cuda":
             budget = int(cfg.kv_cache_memory_gib * GiB)
             return budget, f"kv_cache_memory_gib={cfg.kv_cache_memory_gib} (CPU)"
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        peak = self._profile_activation_peak()
-        budget = int(cfg.gpu_memory_utilization * total - param_bytes - peak)
-        note = (f"{cfg.gpu_memory_utilization:.2f} x {total / GiB:.1f} GiB - weights {param_bytes / GiB:.2f} GiB"
-                f" - activation peak {peak / GiB:.2f} GiB")
-        return max(budget, 0), note
+        from workers.profiling import profile_memory
 
-    def _profile_activation_peak(self) -> int:
-        """Peak memory of one forward at the largest batch (a dummy prefill without a cache)."""
-        from workers.profiling import profile_activation_peak
-
-        return profile_activation_peak(self.model, self.device, self.config)
+        budget, note = gpu_kv_budget(profile_memory(self.model, self.device, cfg, param_bytes),
+                                     cfg.gpu_memory_utilization)
+        check_room_for_one_request(num_blocks_for_budget(self.kv_spec, budget), cfg.block_size, cfg.max_model_len, note)
+        return budget, note
 
     def init_kv_cache(self, num_blocks: int) -> None:
         assert self.model is not None and self.kv_spec is not None

@@ -1,0 +1,109 @@
+"""GPU KV-cache budget arithmetic (pure, CPU) and the profiling forwards it is fed by.
+
+budget = gpu_memory_utilization x total - in use after weights and profiling - activation peak
+         - decode graph pool; a start error when that cannot hold one max_model_len request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from workers.kv_cache import (
+    GiB,
+    KVCacheSpec,
+    KVCacheTooSmallError,
+    MemoryProfile,
+    check_room_for_one_request,
+    gpu_kv_budget,
+    num_blocks_for_budget,
+)
+
+MiB = 1 << 20
+
+
+def _profile(**overrides) -> MemoryProfile:
+    # An 80 GiB device, 8B bf16 weights (16 GiB) + context and NCCL (1 GiB) in use.
+    base = MemoryProfile(total=80 * GiB, in_use=17 * GiB, weights=16 * GiB, activation_peak=2 * GiB,
+                         graph_pool=1 * GiB)
+    return dataclasses.replace(base, **overrides)
+
+
+def test_budget_is_utilization_times_total_minus_in_use_peak_and_graph_pool():
+    budget, note = gpu_kv_budget(_profile(), 0.9)
+    assert budget == int(0.9 * 80 * GiB) - 17 * GiB - 2 * GiB - 1 * GiB  # 52 GiB
+    for figure in ("0.90 x 80.0 GiB", "in use 17.00 GiB", "weights 16.00", "activation peak 2.00 GiB",
+                   "decode graph pool 1.00 GiB"):
+        assert figure in note
+
+
+def test_memory_other_processes_hold_is_not_counted_twice_or_ignored():
+    # Another process holds 10 GiB: it is part of what the device reports in use.
+    alone, _ = gpu_kv_budget(_profile(), 0.9)
+    shared, _ = gpu_kv_budget(_profile(in_use=27 * GiB), 0.9)
+    assert alone - shared == 10 * GiB
+
+
+def test_enforce_eager_frees_the_graph_pool_for_kv():
+    graphs, _ = gpu_kv_budget(_profile(), 0.9)
+    eager, _ = gpu_kv_budget(_profile(graph_pool=0), 0.9)
+    assert eager - graphs == 1 * GiB
+
+
+def test_budget_never_negative():
+    assert gpu_kv_budget(_profile(in_use=79 * GiB), 0.5)[0] == 0
+
+
+def test_blocks_from_budget():
+    # Llama-3-8B per rank: 32 layers, 8 KV heads of 128, bf16, 16-token blocks: 2 MiB per block.
+    spec = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    assert spec.bytes_per_block == 2 * MiB
+    assert num_blocks_for_budget(spec, 52 * GiB) == 52 * 512
+    assert num_blocks_for_budget(spec, 2 * MiB - 1) == 0
+
+
+@pytest.mark.parametrize(("max_model_len", "num_blocks", "fits"), [
+    (4096, 257, True),     # 256 blocks of context + the null block
+    (4096, 256, False),
+    (4097, 257, False),    # one token more needs a 257th context block
+    (16, 2, True),
+    (16, 1, False),
+])
+def test_room_for_one_full_length_request(max_model_len, num_blocks, fits):
+    if fits:
+        check_room_for_one_request(num_blocks, 16, max_model_len, "note")
+    else:
+        with pytest.raises(KVCacheTooSmallError) as info:
+            check_room_for_one_request(num_blocks, 16, max_model_len, "0.90 x 80.0 GiB - ...")
+        message = str(info.value)
+        assert f"max_model_len={max_model_len}" in message and f"room for {num_blocks} blocks" in message
+        assert "gpu_memory_utilization" in message and "0.90 x 80.0 GiB" in message
+
+
+def test_start_error_for_a_128k_model_on_a_small_budget():
+    """8B at 128k context: one request needs 8193 blocks = 16 GiB of KV; 10 GiB left must refuse."""
+    spec = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    budget, note = gpu_kv_budget(_profile(total=40 * GiB), 0.9)  # 36 - 20 = 16 GiB: 8192 blocks, one short
+    with pytest.raises(KVCacheTooSmallError):
+        check_room_for_one_request(num_blocks_for_budget(spec, budget), 16, 131072, note)
+    roomy, note = gpu_kv_budget(_profile(), 0.9)
+    check_room_for_one_request(num_blocks_for_budget(spec, roomy), 16, 131072, note)
+
+
+# ---- the profiling forwards run (CPU: the same code, without the CUDA peak counters) ------------
+def test_profiling_forwards_run_on_a_tiny_model(tmp_path):
+    from model_fixtures import make_tiny_llama
+    from workers import profiling
+    from workers.parallel_state import SINGLE_RANK
+    from workers.worker import WorkerConfig, WorkerCore
+
+    path = make_tiny_llama(tmp_path / "llama", num_heads=8, num_kv_heads=2)
+    cfg = WorkerConfig(model_path=path, dtype=torch.float32, block_size=16, max_model_len=100,
+                       kv_cache_memory_gib=0.01, gpu_memory_utilization=0.9, device="cpu", max_num_seqs=5)
+    worker = WorkerCore(cfg, SINGLE_RANK)
+    worker.load_model()
+    with torch.inference_mode():
+        profiling._prefill(worker.model, torch.device("cpu"), cfg)
+        profiling._widest_decode_and_sampler(worker.model, torch.device("cpu"), cfg)
