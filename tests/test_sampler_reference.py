@@ -13,25 +13,11 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from scheduler.sampling_params import SamplingParams as SP
-from workers.sampler import SamplingRow
+from tests.sampling_reference import hf_reference, row
 from workers.sampling_filters import filtered_probs
 from workers.sampling_penalties import apply_request_processors
-
-PROMPT = [5, 17, 17, 42, 99, 3]
-OUTPUT = [17, 256, 256, 256, 7, 1000]
-STOP_IDS = (2, 7)
 
 # One row each, all in one batch. Values chosen to hit each rule's edges: ties at the k-th,
 # top_p tiny / just under 1, top_k above the vocabulary, temperature near 0, min_p 1.
@@ -56,39 +42,8 @@ CASES = {
     "min_tokens": SP(temperature=1.0, min_tokens=10),
     "min_tokens_met": SP(temperature=1.0, min_tokens=3),
     "everything": SP(temperature=0.9, top_k=40, top_p=0.8, min_p=0.01, repetition_penalty=1.2,
-                     frequency_penalty=0.4, presence_penalty=0.3, logit_bias={256: 2.0}, min_tokens=8),
+                     frequency_penalty=0.4, presence_penalty=0.3, logit_bias={25: 2.0}, min_tokens=8),
 }
-
-
-def hf_reference(logits: torch.Tensor, p: SP) -> torch.Tensor:
-    """The distribution HF's processors give one row (float64 softmax of float32 logits)."""
-    input_ids = torch.tensor([PROMPT + OUTPUT])
-    scores = logits[None].clone()
-    processors = LogitsProcessorList()
-    if p.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
-    scores = processors(input_ids, scores)
-    # OpenAI's frequency/presence penalties (vLLM's definition; HF has no processor for them).
-    counts = torch.bincount(torch.tensor(OUTPUT), minlength=scores.shape[-1]).to(scores.dtype)
-    scores = scores - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(scores.dtype)
-    processors = LogitsProcessorList()
-    if p.logit_bias:
-        processors.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in p.logit_bias]))
-    if p.min_tokens:
-        processors.append(MinNewTokensLengthLogitsProcessor(len(PROMPT), p.min_tokens, list(STOP_IDS)))
-    processors.append(TemperatureLogitsWarper(p.temperature))
-    if p.top_k > 0:
-        processors.append(TopKLogitsWarper(p.top_k))
-    if p.top_p < 1.0:
-        processors.append(TopPLogitsWarper(p.top_p))
-    if p.min_p > 0:
-        processors.append(MinPLogitsWarper(p.min_p))
-    return processors(input_ids, scores)[0].softmax(-1)
-
-
-def row(p: SP, **extra) -> SamplingRow:
-    return SamplingRow(params=p, prompt_token_ids=PROMPT, output_token_ids=OUTPUT, stop_ids=STOP_IDS,
-                       generator=None, **extra)
 
 
 def tpserve_probs(logits: torch.Tensor, params: list[SP]) -> torch.Tensor:
@@ -155,7 +110,7 @@ def test_logit_bias_and_penalties_move_the_right_way():
     out = apply_request_processors(logits, [row(SP(logit_bias={9: 3.0, 10: -3.0}, repetition_penalty=2.0,
                                                     frequency_penalty=0.5, presence_penalty=0.25))])[0]
     assert out[9] == 3.0 and out[10] == -3.0
-    assert out[256] == pytest.approx(-(0.5 * 3 + 0.25))  # three times in OUTPUT
+    assert out[25] == pytest.approx(-(0.5 * 3 + 0.25))  # three times in OUTPUT
     positive = apply_request_processors(torch.full((1, 400), 2.0), [row(SP(repetition_penalty=2.0))])[0]
     negative = apply_request_processors(torch.full((1, 400), -2.0), [row(SP(repetition_penalty=2.0))])[0]
     assert positive[5] == 1.0 and negative[5] == -4.0 and positive[6] == 2.0  # 5 is in the prompt

@@ -86,8 +86,10 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 def _sample_batch(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     processed = apply_request_processors(logits, rows)
     token_ids = processed.argmax(dim=-1)  # right for every greedy row
-    finite = logits.isfinite().all(dim=-1)
-    allowed = (processed > float("-inf")).any(dim=-1)
+    # Row reductions rather than [R, V] masks: NaN and +-inf make max - min non-finite.
+    low, high = torch.aminmax(logits, dim=-1)
+    finite = (high - low).isfinite()
+    allowed = (high if processed is logits else processed.amax(dim=-1)) > float("-inf")  # NaN: False
     sampling = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampling:
         drawn, drawn_ok = draw(processed, rows, sampling)
@@ -107,23 +109,36 @@ def draw(processed: torch.Tensor, rows: list[SamplingRow], sampling: list[int]) 
     device = processed.device
     sub = processed if len(sampling) == processed.shape[0] else processed[_index(sampling, device)]
     probs = filtered_probs(sub, [rows[i].params for i in sampling])
-    seeded = [n for n, i in enumerate(sampling) if rows[i].generator is not None]
-    if len(seeded) < len(sampling):
-        noise = torch.empty_like(probs).exponential_()
-    if seeded:
-        vocab = probs.shape[-1]
-        own = torch.stack([
-            torch.empty(vocab, device=rows[sampling[n]].generator.device).exponential_(
-                generator=rows[sampling[n]].generator)
-            for n in seeded
-        ]).to(device, non_blocking=True)
-        if len(seeded) == len(sampling):
-            noise = own
-        else:
-            noise[_index(seeded, device)] = own
+    generators = [rows[i].generator for i in sampling]
+    noise = _exponential_noise(probs, generators)
     drawn = (probs / noise).argmax(dim=-1)
-    ok = probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0)
+    ok = probs.sum(dim=-1) > 0  # False when NaN (softmax of a row with nothing left)
     return drawn, ok
+
+
+def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exp(1) noise like `probs`: a seeded row's from its own (CPU) generator, the others' from
+    the device's default generator. Rows are written in place (no stacking copies)."""
+    seeded = [n for n, g in enumerate(generators) if g is not None]
+    if probs.device.type == "cpu":
+        noise = torch.empty_like(probs)
+        if not seeded:
+            return noise.exponential_()
+        for n, generator in enumerate(generators):
+            noise[n].exponential_(generator=generator)
+        return noise
+    # On a device: unseeded rows in one kernel; seeded rows drawn on the CPU, copied once.
+    noise = torch.empty_like(probs).exponential_() if len(seeded) < len(generators) else None
+    if not seeded:
+        return noise
+    own = torch.empty(len(seeded), probs.shape[-1])
+    for k, n in enumerate(seeded):
+        own[k].exponential_(generator=generators[n])
+    own = own.to(probs.device, non_blocking=True)
+    if noise is None:
+        return own
+    noise[_index(seeded, probs.device)] = own
+    return noise
 
 
 def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow],
