@@ -20,7 +20,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from deployments.config import TpserveConfig
-from deployments.engine.admission import AdmissionLimits
+from scheduler.admission import AdmissionLimits
 from deployments.http.body import parse_body
 from deployments.http.errors import APIError, install_error_handlers, model_not_found, not_found
 from deployments.http.health import HealthMonitor
@@ -124,16 +124,16 @@ def make_api(engine: Any) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.render_metrics(), media_type=METRICS_CONTENT_TYPE)
+        return Response(engine.metrics.render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/requests/{request_id}/timeline")
     async def timeline(
         request_id: str, fmt: Literal["json", "svg"] = Query("json", alias="format")
     ) -> Response:
-        result = engine.get_timeline(request_id, fmt)
+        result = engine.metrics.get_timeline(request_id, fmt)
         if result is None:
             # Clients know the response id; its first choice is engine request "{id}-0".
-            result = engine.get_timeline(f"{request_id}-0", fmt)
+            result = engine.metrics.get_timeline(f"{request_id}-0", fmt)
         if result is None:
             raise not_found(
                 f"No timeline for request `{request_id}`: unknown id, or no longer among the "

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.engine.admission import AdmissionError
+from scheduler.admission import AdmissionError
 from deployments.engine.exceptions import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)

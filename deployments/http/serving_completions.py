@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from deployments.engine.admission import resolve_max_tokens
+from scheduler.admission import resolve_max_tokens
 from deployments.engine.outputs import PositionLogprobs, RequestOutput
 from deployments.http.choice_streams import EngineStreamResponse
 from deployments.http.prompts import PromptTokenizer
