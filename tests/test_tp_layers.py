@@ -129,7 +129,7 @@ def _param_bytes(model_path: str, tp) -> dict[str, int]:
 def _check_control_channel(rank: int, store_port: int) -> float:
     """The gloo dispatch's channel: rank 0 plays the engine (control rank 0). Small and large
     (overflowing the fixed buffer) messages both ways; 0.0 when all arrive intact."""
-    from workers.ray_worker import ControlChannel, make_control_channel, make_control_store
+    from workers.control_channel import ControlChannel, make_control_channel, make_control_store
 
     store = make_control_store("127.0.0.1", store_port, WORLD_SIZE, is_engine=rank == 0)
     channel = make_control_channel(store, rank, WORLD_SIZE, timeout_s=60)

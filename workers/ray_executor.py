@@ -40,7 +40,9 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.executor import Executor, ExecutorError
 from workers.model_config import ModelConfig
 from workers.placement import check_cluster_fits, placement_bundles, worker_resources
-from workers.ray_worker import STOP, RayWorker, make_control_channel, make_control_store
+from workers.control_channel import ERROR, STOP, make_control_channel, make_control_store
+from workers.parallel_state import local_device_assignment
+from workers.ray_worker import RayWorker
 from workers.worker import WorkerConfig, WorkerLoadReport
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,10 @@ class RayExecutor(Executor):
                 num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
                 scheduling_strategy=strategy, name=f"tpserve-worker-{self._group_id}-rank{rank}",
             ).remote(rank, self.tensor_parallel_size, self.worker_config, self.num_threads))
+        if self.use_gpu:
+            infos = self._get([w.device_info.remote() for w in self.workers], STARTUP_TIMEOUT_S, "worker startup")
+            self._get([w.pin_device.remote(visible, index) for w, (visible, index)
+                       in zip(self.workers, local_device_assignment(infos))], STARTUP_TIMEOUT_S, "GPU pinning")
         host, port = self._get(self.workers[0].get_rendezvous.remote(), STARTUP_TIMEOUT_S, "worker startup")
         # Collectives wait longer than a step may take: a hung peer is reported as a step timeout.
         collective_timeout_s = self.step_timeout_s + 30
@@ -215,7 +221,7 @@ class RayExecutor(Executor):
             if "Timed out" in str(exc):
                 raise ExecutorError(self._timeout_message()) from None
             raise ExecutorError(self._dead_worker_message(f"control group: {str(exc).splitlines()[0]}")) from exc
-        if isinstance(reply, tuple) and reply and reply[0] == "error":
+        if isinstance(reply, tuple) and reply and reply[0] == ERROR:
             raise ExecutorError(self._dead_worker_message(reply[1]))
         return reply
 

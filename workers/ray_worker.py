@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 import threading
 import time
@@ -27,12 +26,12 @@ from collections import deque
 from datetime import timedelta
 
 import ray
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from workers.parallel_state import TPGroup
+from workers.control_channel import ERROR, STOP, ControlChannel, make_control_channel, make_control_store
+from workers.parallel_state import TPGroup, nccl_environment
 from workers.worker import WorkerConfig, WorkerCore, WorkerLoadReport
 
 logger = logging.getLogger(__name__)
@@ -50,86 +49,6 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-class ControlChannel:
-    """Pickled Python objects over a standalone gloo group: the engine (control rank 0)
-    broadcasts each step's SchedulerOutput, worker rank 0 (control rank 1) replies point to point.
-
-    A message travels in a fixed buffer, [8-byte length | payload]: one collective per message.
-    A payload that does not fit (a step admitting many long prompts) follows in a second
-    message of its exact size. Gloo fails a pending operation as soon as a peer's connection
-    closes (a dead worker), or after the group's timeout (a hung one).
-    """
-
-    CAPACITY = 16 * 1024
-    ENGINE = 0
-
-    def __init__(self, group) -> None:
-        self.group = group
-        self.buffer = torch.zeros(self.CAPACITY, dtype=torch.uint8)
-        self.view = self.buffer.numpy()
-
-    def _pack(self, obj) -> bytes | None:
-        """Write obj into the buffer; return the payload when it must follow separately."""
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        self.view[:8] = np.frombuffer(len(payload).to_bytes(8, "little"), dtype=np.uint8)
-        if len(payload) > self.CAPACITY - 8:
-            return payload
-        self.view[8 : 8 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-        return None
-
-    def _unpack(self, receive_more):
-        n = int.from_bytes(self.view[:8].tobytes(), "little")
-        if n <= self.CAPACITY - 8:
-            return pickle.loads(self.view[8 : 8 + n].tobytes())
-        big = torch.empty(n, dtype=torch.uint8)
-        receive_more(big)
-        return pickle.loads(big.numpy().tobytes())
-
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank = self.ENGINE
-        self.group.broadcast([tensor], options).wait()
-
-    def broadcast(self, obj) -> None:
-        """Engine side: send obj to every worker."""
-        overflow = self._pack(obj)
-        self._broadcast(self.buffer)
-        if overflow is not None:
-            self._broadcast(torch.frombuffer(bytearray(overflow), dtype=torch.uint8))
-
-    def receive_broadcast(self):
-        """Worker side: the engine's next message."""
-        self._broadcast(self.buffer)
-        return self._unpack(self._broadcast)
-
-    def send(self, obj, dst: int) -> None:
-        overflow = self._pack(obj)
-        self.group.send([self.buffer], dst, 0).wait()
-        if overflow is not None:
-            self.group.send([torch.frombuffer(bytearray(overflow), dtype=torch.uint8)], dst, 0).wait()
-
-    def receive(self, src: int):
-        self.group.recv([self.buffer], src, 0).wait()
-        return self._unpack(lambda big: self.group.recv([big], src, 0).wait())
-
-
-# Control messages.
-STOP = "stop"
-_ERROR = "error"
-
-
-def make_control_store(host: str, port: int, size: int, is_engine: bool) -> dist.TCPStore:
-    """Rendezvous of the control group, hosted by the engine (port 0: a free port, read back
-    from `store.port` and passed to the workers through Ray)."""
-    return dist.TCPStore(host, port, size, is_engine, timedelta(seconds=300), wait_for_workers=False)
-
-
-def make_control_channel(store: dist.TCPStore, rank: int, size: int, timeout_s: float) -> ControlChannel:
-    """Join the control group (blocks until all `size` members have joined). It is apart from
-    torch.distributed's default group; its timeout bounds every wait (the step timeout)."""
-    return ControlChannel(dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s)))
-
-
 class Worker:
     """One rank. Plain class (so Ray pickles it by reference); `RayWorker` is the actor."""
 
@@ -138,9 +57,6 @@ class Worker:
         self.world_size = world_size
         self.config = config
         torch.set_num_threads(num_threads)
-        if config.device == "cuda":
-            # Ray exposes only this actor's GPU: it is cuda:0 here.
-            torch.cuda.set_device(0)
         self.core: WorkerCore | None = None
         self.control: ControlChannel | None = None
         self.forward_times: deque[float] = deque(maxlen=_FORWARD_TIMES_KEPT)
@@ -152,10 +68,25 @@ class Worker:
         host = ray.util.get_node_ip_address()
         return host, _free_port(host)
 
+    def device_info(self) -> tuple[str, list[str]]:
+        """This actor's node and the GPU ids Ray gave it (before any CUDA call in this process)."""
+        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
+    def pin_device(self, visible_gpus: list[str], local_index: int) -> None:
+        """See every GPU the group holds on this node, use one (parallel_state.local_device_assignment):
+        with all peers visible NCCL can take its peer-to-peer path between them."""
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
+        torch.cuda.set_device(local_index)
+
     def init_distributed(self, host: str, port: int, timeout_s: float) -> None:
+        options = {}
+        if self.config.device == "cuda":
+            for name, value in nccl_environment(os.environ).items():
+                os.environ[name] = value
+            options["device_id"] = torch.device("cuda", torch.cuda.current_device())
         backend = "nccl" if self.config.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+                                world_size=self.world_size, timeout=timedelta(seconds=timeout_s), **options)
         tp = TPGroup(rank=self.rank, world_size=self.world_size, group=dist.group.WORLD)
         self.core = WorkerCore(self.config, tp)
 
@@ -200,7 +131,7 @@ class Worker:
                 result = self.execute_model(message)
             except Exception as exc:
                 if self.rank == 0:
-                    self.control.send((_ERROR, f"rank 0: {type(exc).__name__}: {exc}"), ControlChannel.ENGINE)
+                    self.control.send((ERROR, f"rank 0: {type(exc).__name__}: {exc}"), ControlChannel.ENGINE)
                     raise
                 # Exit so that the peers' pending collectives fail at once instead of timing out.
                 logger.exception("tensor-parallel rank %d failed a step; exiting", self.rank)
