@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tpserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench bench-offline bench-serve bench-tp model clean
+.PHONY: install serve test test-cluster bench bench-offline bench-serve bench-tp model clean
 
 install: $(STAMP) model
 
@@ -26,7 +26,12 @@ serve: install
 	$(VENV)/bin/tpserve serve
 
 test: install
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -m "not cluster" $(PYTEST_ARGS)
+
+# Scale-out tests on a real two-node Ray cluster started on this machine (tests/cluster_nodes.py),
+# in their own pytest process (the test driver connects to that cluster).
+test-cluster: install
+	$(PY) -m pytest -q -ra -m cluster $(PYTEST_ARGS)
 
 bench: install bench-offline bench-serve bench-tp
 

@@ -22,6 +22,8 @@ from ray.serve import Application
 from deployments.http.api_server import make_api
 from deployments.engine.async_engine import AsyncEngine
 from deployments.config import TpserveConfig
+from deployments.routing.replica_side import ScaleOutReplica
+from deployments.scale_out import scale_out_options
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ def deployment_options(config: TpserveConfig) -> dict[str, Any]:
         options["autoscaling_config"] = config.autoscaling_config
     else:
         options["num_replicas"] = config.num_replicas
+    # Spread over nodes, KV-aware router, engine-load autoscaling (deployments/scale_out.py).
+    options.update(scale_out_options(config))
     return options
 
 
@@ -61,7 +65,7 @@ def placement_options(config: TpserveConfig) -> dict[str, Any]:
 
 @serve.deployment(name=DEPLOYMENT_NAME)
 @serve.ingress()
-class TpserveDeployment:
+class TpserveDeployment(ScaleOutReplica):
     """An ingress replica: owns one engine and serves the OpenAI API over it."""
 
     async def __init__(self, config: TpserveConfig) -> None:
@@ -69,7 +73,9 @@ class TpserveDeployment:
         self.engine = await asyncio.to_thread(AsyncEngine, config)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return make_api(self.engine)
+        # Kept: requests forwarded by the routing ingress run through the same app.
+        self.api = make_api(self.engine)
+        return self.api
 
     def check_health(self) -> None:
         # Serve restarts a replica whose engine (or one of its workers) died.
@@ -87,7 +93,13 @@ class TpserveDeployment:
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Serve application builder: validates `args` (fails naming the bad field) and binds."""
     config = TpserveConfig.from_args(args)
-    return TpserveDeployment.options(**deployment_options(config)).bind(config)
+    engine_app = TpserveDeployment.options(**deployment_options(config)).bind(config)
+    if config.request_router == "kv_aware":
+        # A thin ingress reads prompts and routes to engine replicas (deployments/routing/).
+        from deployments.routing.front import RoutingIngress
+
+        return RoutingIngress.bind(engine_app)
+    return engine_app
 
 
 # `serve run deployments.app:app`: the defaults (the embedded SmolLM2 model).

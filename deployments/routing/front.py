@@ -1,0 +1,103 @@
+"""The routing ingress: reads each request's body (the HTTP proxy's router never sees it),
+attaches the prompt's prefix digests, and forwards it through a DeploymentHandle whose request
+router (kv_router.KVAwareRouter) picks the engine replica. Every route goes through: the
+replica's own app answers it. Responses name the replica that served them (header
+`x-tpserve-replica`, set by the replica's app).
+
+A replica that dies before it sent anything (its node went away) is retried once on another
+replica; one that dies mid-stream ends the stream with an OpenAI-style error event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from deployments.routing.asgi_forward import ForwardedRequest
+from deployments.routing.prefix_digest import prefix_digests, routing_text
+
+logger = logging.getLogger("ray.serve")
+
+ROUTER_DEPLOYMENT_NAME = "tpserve-router"
+# Headers the ingress's own server sets again for the client connection.
+_HOP_BY_HOP = {b"transfer-encoding", b"connection", b"keep-alive", b"content-length"}
+# Attempts for a request whose replica failed before answering (a dead node).
+MAX_ATTEMPTS = 2
+
+
+def digests_for(method: str, body: bytes) -> list[int]:
+    if method != "POST" or not body:
+        return []
+    try:
+        return prefix_digests(routing_text(json.loads(body)))
+    except ValueError:
+        return []  # the replica answers the malformed body with its own 400
+
+
+def replica_unavailable(exc: BaseException) -> JSONResponse:
+    return JSONResponse(status_code=503, headers={"Retry-After": "1"}, content={"error": {
+        "message": f"No tpserve replica could serve the request: {type(exc).__name__}: {exc}"[:500],
+        "type": "ServiceUnavailableError", "param": None, "code": "replica_unavailable"}})
+
+
+def _stream_error_event(exc: BaseException) -> bytes:
+    error = {"message": f"The replica serving this stream failed: {type(exc).__name__}"[:500],
+             "type": "InternalServerError", "param": None, "code": "replica_failed"}
+    return f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+
+
+# A plain deployment (Serve hands `__call__` every HTTP request under the route prefix): an app
+# may hold only one @serve.ingress deployment, and the engine replicas are one.
+@serve.deployment(name=ROUTER_DEPLOYMENT_NAME, ray_actor_options={"num_cpus": 0})
+class RoutingIngress:
+    def __init__(self, engine_handle: Any) -> None:
+        self._handle = engine_handle.options(stream=True, method_name="forward_http")
+
+    async def _first_message(self, request: ForwardedRequest) -> tuple[Any, dict[str, Any]]:
+        last_error: BaseException | None = None
+        for _ in range(MAX_ATTEMPTS):
+            stream = self._handle.remote(request)
+            try:
+                return stream, await stream.__anext__()
+            except StopAsyncIteration as exc:
+                last_error = exc
+            except Exception as exc:  # noqa: BLE001 - a dead replica/node: retried, nothing was sent
+                logger.warning("tpserve router: replica failed before answering, retrying: %s", exc)
+                last_error = exc
+        raise RuntimeError(str(last_error)) from last_error
+
+    @staticmethod
+    async def _body_chunks(stream: Any, first: dict[str, Any]) -> AsyncIterator[bytes]:
+        if first.get("type") == "http.response.body" and first.get("body"):
+            yield first["body"]
+        try:
+            async for message in stream:
+                if message.get("body"):
+                    yield message["body"]
+        except Exception as exc:  # noqa: BLE001 - the replica died mid-stream: end with an error event
+            logger.warning("tpserve router: replica failed mid-stream: %s", exc)
+            yield _stream_error_event(exc)
+
+    async def __call__(self, request: Request) -> Response:
+        body = await request.body()
+        # The path as the engine app routes it: without this app's route prefix.
+        path, root = request.scope["path"], request.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
+        forwarded = ForwardedRequest(method=request.method, path=path,
+                                     query_string=request.scope.get("query_string", b""),
+                                     headers=list(request.scope.get("headers", [])), body=body,
+                                     prefix_digests=digests_for(request.method, body))
+        try:
+            stream, start = await self._first_message(forwarded)
+        except RuntimeError as exc:
+            return replica_unavailable(exc.__cause__ or exc)
+        response = StreamingResponse(self._body_chunks(stream, {}), status_code=start.get("status", 500))
+        response.raw_headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in _HOP_BY_HOP]
+        return response

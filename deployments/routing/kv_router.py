@@ -1,0 +1,103 @@
+"""KVAwareRouter: Ray Serve request router that sends a prompt to the replica most likely to
+hold its prefix in KV cache, without overloading it (the decision is policy.rank_replicas).
+
+What it knows per replica, none of it fetched per request:
+  - published: the replica's `record_routing_stats` (prefix digests of what it prefilled
+    recently, waiting/unfinished requests, free KV), polled by Serve every stats period;
+  - local: the digests of the requests this router sent it since, and how many of them are
+    still in flight (exact; covers the seconds the published figures lag behind a burst).
+
+Compared with Ray Serve LLM's PrefixCacheAffinityRouter: no shared prefix-tree actor (no
+remote call on the routing path), load is the engine's own (waiting queue, KV free) rather
+than Serve's ongoing-request count, and a hot replica loses its affinity by a slack relative
+to the coolest one instead of a fixed imbalance threshold.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from deployments.routing.policy import ReplicaView, rank_replicas
+from deployments.routing.replica_side import PrefixDigestMemory
+
+logger = logging.getLogger("ray.serve")
+
+# Digests remembered per replica from this router's own sends (the published set catches up).
+LOCAL_DIGEST_CAPACITY = 2048
+
+
+def request_digests(pending_request: PendingRequest | None) -> list[int]:
+    """The prefix digests the routing ingress attached to the request ([] if none)."""
+    if pending_request is None:
+        return []
+    for arg in pending_request.args:
+        digests = getattr(arg, "prefix_digests", None)
+        if isinstance(digests, list):
+            return digests
+    return []
+
+
+class KVAwareRouter(RequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        # Per replica id string: digests sent by this router, requests in flight.
+        self._sent: dict[str, PrefixDigestMemory] = {}
+        self._in_flight: dict[str, int] = {}
+        # Per replica id string: (the published stats dict, its digests as a frozenset), so the
+        # set is rebuilt once per stats period, not per request.
+        self._published: dict[str, tuple[int, frozenset[int]]] = {}
+
+    def _view(self, replica: RunningReplica) -> ReplicaView:
+        key = replica.replica_id.to_full_id_str()
+        stats = replica.routing_stats or {}
+        cached = self._published.get(key)
+        if cached is None or cached[0] != id(stats):
+            cached = (id(stats), frozenset(stats.get("prefix_digests", ())))
+            self._published[key] = cached
+        sent = self._sent.get(key)
+        held = cached[1] | frozenset(sent.snapshot()) if sent is not None else cached[1]
+        return ReplicaView(
+            replica_id=key,
+            held_digests=held,
+            num_waiting=int(stats.get("num_waiting", 0)),
+            num_unfinished=int(stats.get("num_unfinished", 0)),
+            kv_free_fraction=float(stats.get("kv_free_fraction", 1.0)),
+            in_flight=self._in_flight.get(key, 0),
+        )
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        ranked = rank_replicas(request_digests(pending_request), [self._view(r) for r in candidate_replicas])
+        # One replica per rank: Serve tries them in this order (a rank's lowest queue wins).
+        return [[by_id[replica_id]] for replica_id in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        key = replica_id.to_full_id_str()
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        digests = request_digests(pending_request)
+        if digests:
+            self._sent.setdefault(key, PrefixDigestMemory(LOCAL_DIGEST_CAPACITY)).add(digests)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        key = replica_id.to_full_id_str()
+        if self._in_flight.get(key, 0) > 0:
+            self._in_flight[key] -= 1
+
+    def _forget(self, key: str) -> None:
+        self._sent.pop(key, None)
+        self._in_flight.pop(key, None)
+        self._published.pop(key, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.to_full_id_str())
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        alive = {r.replica_id.to_full_id_str() for r in replicas}
+        for key in [k for k in {*self._sent, *self._in_flight, *self._published} if k not in alive]:
+            self._forget(key)
