@@ -35,13 +35,26 @@ class IncrementalDetokenizer:
         # A trailing U+FFFD means a multi-byte character is still incomplete: wait for more.
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return
-        delta = full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
+        self._append(full_text[len(prefix_text) :])
+
+    def _append(self, delta: str) -> None:
         search_from = max(0, len(self.text) - self._max_stop_len + 1)
         self.text += delta
         if self.params.stop:
             self._check_stop_strings(search_from)
+
+    def _flush(self) -> None:
+        """At the end, tokens still held for an incomplete character are released as
+        tokenizer.decode shows them (U+FFFD included): the text is then decode(output ids)."""
+        if self.stopped_by_string or self._read_offset == len(self._ids):
+            return
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        if len(full_text) > len(prefix_text):
+            self._append(full_text[len(prefix_text) :])
 
     def _check_stop_strings(self, search_from: int) -> None:
         first = -1
@@ -55,6 +68,8 @@ class IncrementalDetokenizer:
 
     def take_new_text(self, finished: bool) -> str:
         """Text not yet released; the tail that could still start a stop string is held back."""
+        if finished:
+            self._flush()
         end = len(self.text)
         if not finished and not self.stopped_by_string and self._max_stop_len > 1:
             end = max(self._num_released, end - (self._max_stop_len - 1))
