@@ -73,7 +73,7 @@ def test_kernel_matches_reference_ragged_contexts_and_padding(shape, num_splits)
     ragged = [1, bs, bs + 1, 3 * bs - 1] + torch.randint(1, 6 * bs, (2,), generator=gen).tolist()
     q, k, v, tables, lens = make_case(num_splits, ragged, num_heads=heads, num_kv_heads=kv_heads,
                                       head_dim=dim, block_size=bs, num_padding_rows=2)
-    got = triton_paged_decode(q, k, v, tables, lens, dim ** -0.5, num_splits=num_splits)
+    got = triton_paged_decode(q, k, v, tables, lens, dim ** -0.5, num_splits=num_splits, min_blocks_per_split=1)
     expected = torch_paged_decode(q, k, v, tables, lens, dim ** -0.5)
     assert got.shape == (len(lens), heads * dim)
     assert torch.isfinite(got).all()  # padding rows too
@@ -87,7 +87,8 @@ def test_sliding_window_and_soft_cap_match_reference(window, soft_cap, num_split
                                       block_size=16, num_padding_rows=1)
     scale = 0.3  # not head_dim ** -0.5: the scale is taken as given
     kwargs = dict(sliding_window=window, logits_soft_cap=soft_cap)
-    got = triton_paged_decode(q, k, v, tables, lens, scale, num_splits=num_splits, **kwargs)
+    got = triton_paged_decode(q, k, v, tables, lens, scale, num_splits=num_splits, min_blocks_per_split=1,
+                              **kwargs)
     expected = torch_paged_decode(q, k, v, tables, lens, scale, **kwargs)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
     if window is not None and window < 40:

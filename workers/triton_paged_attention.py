@@ -46,7 +46,7 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, max_blocks: int) -> int:
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale, soft_cap, window, blocks_per_split,
+    scale, soft_cap, window, min_blocks_per_split,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -59,9 +59,13 @@ def _decode_split_kernel(
     first_pos = 0
     if USE_WINDOW:
         first_pos = tl.maximum(ctx_len - window, 0)
+    # This request's blocks [first_block, num_blocks) in NUM_SPLITS runs of equal length (at least
+    # min_blocks_per_split; later splits may get none): sized on the device from its own context.
     num_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
-    start_block = tl.maximum(split * blocks_per_split, first_pos // BLOCK_SIZE)
-    end_block = tl.minimum((split + 1) * blocks_per_split, num_blocks)
+    first_block = first_pos // BLOCK_SIZE
+    blocks_per_split = tl.maximum(tl.cdiv(num_blocks - first_block, NUM_SPLITS), min_blocks_per_split)
+    start_block = first_block + split * blocks_per_split
+    end_block = tl.minimum(start_block + blocks_per_split, num_blocks)
 
     heads = kv_head * GROUP + tl.arange(0, GROUP_P2)
     head_ok = tl.arange(0, GROUP_P2) < GROUP
@@ -135,9 +139,11 @@ def _merge_splits_kernel(
 def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                         sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                        num_splits: int | None = None) -> torch.Tensor:
+                        num_splits: int | None = None, min_blocks_per_split: int = MIN_BLOCKS_PER_SPLIT,
+                        ) -> torch.Tensor:
     """q [B, H, D], caches [num_blocks, block_size, KVH, D], block_tables [B, W] int32,
-    context_lens [B] int32 (>= 1) -> [B, H * D] in q's dtype."""
+    context_lens [B] int32 (>= 1) -> [B, H * D] in q's dtype. num_splits defaults to
+    num_kv_splits(B, KVH, W): fixed by the shapes, so a captured graph keeps its grid."""
     num_reqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads:
@@ -150,7 +156,6 @@ def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     group = num_heads // num_kv_heads
     splits = num_splits or num_kv_splits(num_reqs, num_kv_heads, block_tables.shape[1])
     splits = max(1, min(splits, block_tables.shape[1]))
-    blocks_per_split = -(-block_tables.shape[1] // splits)
     dim_p2 = triton.next_power_of_2(head_dim)
     out = torch.empty(num_reqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if splits > 1:
@@ -161,7 +166,7 @@ def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         part_m = part_l = part_acc = out  # unused
     _decode_split_kernel[(num_reqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
-        float(scale), float(logits_soft_cap or 1.0), int(sliding_window or 0), blocks_per_split,
+        float(scale), float(logits_soft_cap or 1.0), int(sliding_window or 0), max(1, min_blocks_per_split),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, GROUP_P2=max(triton.next_power_of_2(group), 1), HEAD_DIM=head_dim,
