@@ -1,12 +1,17 @@
 """GPU checks of CUDA-graph decode (skipped without CUDA).
 
-* graph replay vs eager: greedy tokens over 64 steps at batch 1, 3 and 17, SmolLM2, bf16 and fp32
-  (identical; in bf16 a first difference is accepted only at a near tie of the eager run);
+* graph replay vs eager: greedy tokens over 64 steps at batch 1, 3 and 17, SmolLM2, bf16 and fp32,
+  compared as vLLM does (a token may differ only where each run's token is in the other run's
+  top-5 logprobs; after that the runs diverge and are not compared);
+* the Triton paged decode kernel vs the torch reference on SmolLM2's shapes, eagerly and replayed
+  from a CUDA graph after the buffers' contents changed;
+* the KV budget: profiled figures, and the graph pool it reserved vs what capture took;
 * the engine on GPU: bf16 by default, graphs captured after the KV cache, decode steps replayed;
 * end to end through Ray Serve on one GPU (needs ray);
 * tensor parallelism 2 with NCCL, all-reduces inside the graphs (needs two GPUs).
 The model is `gpu_helpers.smollm2_path()`: the real SmolLM2 when present, else SmolLM2-shaped
-random weights built from the carried tokenizer/config (see device_check.sh).
+random weights built from the carried tokenizer/config (see device_check.sh). Figures go to
+$OUT/gpu_figures.json.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_helpers import TIE_TOLERANCE, StepDriver, compare_greedy, random_prompts, smollm2_path
+from gpu_helpers import StepDriver, compare_greedy, random_prompts, smollm2_path
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA is not available (torch.cuda.is_available() is False)")
@@ -73,7 +78,10 @@ def test_capture_list_and_log(worker_pair):
     _, eager, graphed = worker_pair
     runner = graphed.runner.graph_runner
     assert runner.capture_sizes == [1, 2, 4, 8, 16, 24]
-    assert runner.stats.num_graphs == len(runner.capture_sizes) * len(runner.block_buckets)
+    # The Triton kernel reads blocks in place: one table width, one graph per batch size.
+    assert runner.backend.name == "triton"
+    assert runner.block_buckets == [MAX_MODEL_LEN // BLOCK_SIZE]
+    assert runner.stats.num_graphs == len(runner.capture_sizes)
     assert runner.stats.capture_time > 0
     assert not eager.runner.graph_runner.captured  # enforce_eager: no graphs, same decode kernel
 
@@ -87,19 +95,79 @@ def test_graph_replay_matches_eager(worker_pair, batch_size):
     reference = StepDriver(eager, BLOCK_SIZE).run_greedy(prompts, NUM_TOKENS)
     candidate = StepDriver(graphed, BLOCK_SIZE).run_greedy(prompts, NUM_TOKENS)
     assert runner.stats.num_replays - replays == NUM_TOKENS - 1
-    comparisons = [compare_greedy(r, c, g) for r, c, g in zip(reference.tokens, candidate.tokens, reference.gaps)]
+    comparisons = [compare_greedy(r, c, rt, ct) for r, c, rt, ct
+                   in zip(reference.tokens, candidate.tokens, reference.top, candidate.top)]
     key = f"graph_vs_eager/{str(dtype).removeprefix('torch.')}/batch{batch_size}"
     RESULTS[key] = {
         "identical": sum(c.diverged_at is None for c in comparisons),
         "sequences": len(comparisons),
-        "divergences": [(i, c.diverged_at, c.gap_at_divergence) for i, c in enumerate(comparisons)
+        "divergences": [(i, c.diverged_at, c.within_top_k) for i, c in enumerate(comparisons)
                         if c.diverged_at is not None],
     }
-    # Padding changes the matmul shapes (3 -> 4 rows, 17 -> 24), so cuBLAS may round differently:
-    # a difference is accepted only where the eager run itself was at a near tie (fp32: 1e-3).
-    tolerance = TIE_TOLERANCE[dtype]
-    bad = [(i, c) for i, c in enumerate(comparisons) if not c.is_acceptable(tolerance)]
-    assert not bad, f"graph replay diverges from eager away from a near tie: {bad}"
+    # Padding changes the GEMM shapes (3 -> 4 rows, 17 -> 24), so kernels may round differently.
+    bad = [(i, c) for i, c in enumerate(comparisons) if not c.is_acceptable]
+    assert not bad, f"graph replay diverges from eager outside the other run's top-k: {bad}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_triton_kernel_matches_torch_reference_in_a_graph(dtype):
+    from workers.gpu_attention import torch_paged_decode
+    from workers.triton_paged_attention import triton_paged_decode
+
+    # SmolLM2-135M's heads, 64 requests, ragged contexts up to 1024 tokens, 4 padding rows.
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, rows, width = 9, 3, 64, 64, MAX_MODEL_LEN // BLOCK_SIZE
+    k_cache = torch.randn(rows * width + 1, BLOCK_SIZE, kv_heads, dim, generator=gen).to("cuda", dtype)
+    v_cache = torch.randn(rows * width + 1, BLOCK_SIZE, kv_heads, dim, generator=gen).to("cuda", dtype)
+    q = torch.randn(rows, heads, dim, generator=gen).to("cuda", dtype)
+
+    def random_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(1, MAX_MODEL_LEN + 1, (rows,), generator=g)
+        lens[-4:] = 1
+        tables = (torch.randperm(rows * width, generator=g) + 1)[: rows * width].view(rows, width)
+        tables[-4:] = 0
+        return tables.to("cuda", torch.int32), lens.to("cuda", torch.int32)
+
+    tables, lens = random_inputs(1)
+    static_out = triton_paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5)  # compile + warm up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = triton_paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5)
+    errors = {}
+    for seed in (2, 3):
+        new_tables, new_lens = random_inputs(seed)
+        tables.copy_(new_tables)
+        lens.copy_(new_lens)
+        graph.replay()
+        expected = torch_paged_decode(q.float(), k_cache.float(), v_cache.float(), tables, lens, dim ** -0.5)
+        eager = triton_paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5)
+        torch.testing.assert_close(static_out, eager)  # the replay saw the new contents
+        errors[seed] = float((static_out.float() - expected).abs().max())
+    RESULTS[f"triton_vs_torch/{str(dtype).removeprefix('torch.')}"] = {"max_abs_error": max(errors.values())}
+    assert max(errors.values()) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_kv_budget_reserves_the_graph_pool(model_path):
+    from workers.kv_cache import gpu_kv_budget
+    from workers.parallel_state import SINGLE_RANK
+    from workers.profiling import profile_memory
+    from workers.worker import WorkerCore
+
+    worker = WorkerCore(worker_config(model_path, torch.bfloat16, False, max_num_seqs=64), SINGLE_RANK)
+    report = worker.load_model()
+    profile = profile_memory(worker.model, worker.device, worker.config, report.param_bytes)
+    worker.init_kv_cache(NUM_BLOCKS)
+    captured = worker.runner.graph_runner.stats.capture_memory
+    RESULTS["memory_budget"] = {"profile": dataclasses.asdict(profile), "budget_note": report.budget_note,
+                                "kv_budget_bytes": report.kv_budget_bytes, "graph_capture_bytes": captured}
+    # Profiling again gives the budget load_model computed (up to allocator noise).
+    assert abs(report.kv_budget_bytes - gpu_kv_budget(profile, 0.9)[0]) < (256 << 20)
+    # What capture took stays within what the budget set aside for the graphs (64 MiB slack for
+    # the CUDA graph objects themselves).
+    assert captured <= profile.graph_pool + (64 << 20)
+    del worker
+    torch.cuda.empty_cache()
 
 
 def test_engine_on_gpu_defaults_to_bf16_and_replays(model_path):
@@ -167,8 +235,9 @@ def _tp_rank(rank: int, port: int, path: str, result_file: str) -> None:
     import torch.distributed as dist
 
     from gpu_helpers import StepDriver, random_prompts
-    from workers.parallel_state import TPGroup
+    from workers.parallel_state import TPGroup, nccl_environment
 
+    os.environ.update(nccl_environment(os.environ))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             device_id=torch.device("cuda", rank))
@@ -184,7 +253,7 @@ def _tp_rank(rank: int, port: int, path: str, result_file: str) -> None:
     for eager in (True, False):
         worker = make_worker(path, torch.bfloat16, enforce_eager=eager, tp=tp)
         run = StepDriver(worker, BLOCK_SIZE, share_tokens=share).run_greedy(prompts, NUM_TOKENS)
-        runs["eager" if eager else "graph"] = {"tokens": run.tokens, "gaps": run.gaps,
+        runs["eager" if eager else "graph"] = {"tokens": run.tokens, "top": run.top,
                                                "replays": worker.runner.graph_runner.stats.num_replays}
         del worker
         torch.cuda.empty_cache()
@@ -208,12 +277,13 @@ def test_tp2_nccl_graphs_match_eager(model_path, tmp_path):
     mp.start_processes(_tp_rank, args=(_free_port(), tp_model, result_file), nprocs=2, start_method="spawn")
     runs = json.loads(open(result_file).read())
     assert runs["graph"]["replays"] == NUM_TOKENS - 1
-    for ref, cand, gaps in zip(runs["eager"]["tokens"], runs["graph"]["tokens"], runs["eager"]["gaps"]):
-        assert compare_greedy(ref, cand, gaps).is_acceptable(TIE_TOLERANCE[torch.bfloat16])
+    for ref, cand, ref_top, cand_top in zip(runs["eager"]["tokens"], runs["graph"]["tokens"], runs["eager"]["top"],
+                                            runs["graph"]["top"]):
+        assert compare_greedy(ref, cand, ref_top, cand_top).is_acceptable
 
 
 def teardown_module() -> None:
     out = os.environ.get("OUT")
     if out and RESULTS:
-        with open(os.path.join(out, "graph_equality.json"), "w") as f:
+        with open(os.path.join(out, "gpu_figures.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
