@@ -78,6 +78,15 @@ def curl_example(host: str, port: int, model_name: str) -> str:
     )
 
 
+def ready_message(host: str, port: int, model_name: str) -> str:
+    """What `tpserve serve` prints once the server answers: where, and a request to paste."""
+    return (
+        f"\ntpserve is ready: {model_name} on http://{client_host(host)}:{port} "
+        f"(OpenAI API under /v1, /health, /metrics). Try:\n\n  "
+        f"{curl_example(host, port, model_name)}\n\nCtrl-C to stop."
+    )
+
+
 def served_model_name(host: str, port: int) -> str:
     """Ask the running server (also a check that it answers) which name clients should use."""
     with urllib.request.urlopen(f"http://{client_host(host)}:{port}/v1/models", timeout=30) as response:
@@ -125,12 +134,7 @@ def serve_command(namespace: argparse.Namespace) -> int:
         serve.start(http_options={"host": namespace.host, "port": namespace.port})
         serve.run(build_app(args), name=DEPLOYMENT_NAME, route_prefix="/", blocking=False)
         model_name = served_model_name(namespace.host, namespace.port)
-        print(
-            f"\ntpserve is ready: {model_name} on http://{client_host(namespace.host)}:{namespace.port} "
-            f"(OpenAI API under /v1, /health, /metrics). Try:\n\n  "
-            f"{curl_example(namespace.host, namespace.port, model_name)}\n\nCtrl-C to stop.",
-            flush=True,
-        )
+        print(ready_message(namespace.host, namespace.port, model_name), flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

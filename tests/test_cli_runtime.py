@@ -1,0 +1,164 @@
+"""The start-up paths as pure functions: `tpserve serve` arguments and its ready line, the `auto`
+dtype choice, CPU threads, the device of the ranks, and the Serve placement options for GPU and
+CPU replicas (no Ray, no server, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deployments import cli
+from deployments.config import TpserveConfig
+from workers import placement, runtime
+
+
+# ---- tpserve serve ---------------------------------------------------------------------------
+
+def test_serve_flags_become_config_fields_of_the_right_types():
+    namespace = cli.make_parser().parse_args([
+        "serve", "--host", "0.0.0.0", "--port", "9123", "--model", "/models/x", "--tensor-parallel-size", "2",
+        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--dtype", "bfloat16",
+        "--autoscaling-config", '{"min_replicas": 1, "max_replicas": 3}',
+    ])
+    assert (namespace.host, namespace.port) == ("0.0.0.0", 9123)
+    args = cli.config_args(namespace)
+    assert "host" not in args and "port" not in args  # server flags are not config fields
+    config = TpserveConfig.from_args(args)
+    assert config.model == "/models/x" and config.tensor_parallel_size == 2 and config.max_num_seqs == 8
+    assert config.enable_prefix_caching is False and config.dtype == "bfloat16"
+    assert config.autoscaling_config == {"min_replicas": 1, "max_replicas": 3}
+
+
+def test_unset_flags_leave_the_config_defaults():
+    namespace = cli.make_parser().parse_args(["serve"])
+    assert cli.config_args(namespace) == {}
+    assert (namespace.host, namespace.port, namespace.ray_address) == (cli.DEFAULT_HOST, cli.DEFAULT_PORT, None)
+
+
+def test_every_config_field_has_a_flag():
+    help_text = cli.make_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for name in TpserveConfig.model_fields:
+        assert "--" + name.replace("_", "-") in help_text, name
+
+
+def test_a_bad_value_exits_2_naming_the_field_before_starting_anything(capsys):
+    assert cli.main(["serve", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err
+    assert cli.main(["serve", "--dtype", "float8"]) == 2
+    assert "dtype" in capsys.readouterr().err
+
+
+def test_help_imports_neither_ray_nor_torch():
+    code = ("import sys; from deployments.cli import make_parser; make_parser().format_help(); "
+            "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("host, reach", [("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("10.1.2.3", "10.1.2.3")])
+def test_ready_line_says_where_and_gives_a_request_that_parses(host, reach):
+    message = cli.ready_message(host, 8123, "SmolLM2-135M-Instruct")
+    assert f"tpserve is ready: SmolLM2-135M-Instruct on http://{reach}:8123" in message
+    curl_line = next(line.strip() for line in message.splitlines() if line.strip().startswith("curl "))
+    argv = shlex.split(curl_line)  # valid shell: the body is one quoted word
+    assert argv[1] == f"http://{reach}:8123/v1/chat/completions"
+    body = json.loads(argv[argv.index("-d") + 1])
+    assert body["model"] == "SmolLM2-135M-Instruct" and body["messages"][0]["role"] == "user"
+    assert "Content-Type: application/json" in argv
+
+
+# ---- dtype, threads, device ------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, fast", [
+    ("fpu sse avx512f avx512_bf16 avx512_vnni", True),
+    ("fpu sse amx_bf16 amx_tile", True),
+    ("fpu sse avx2 avx512f", False),
+    ("fpu sse avx512_bf16x", False),  # a longer flag name is not the flag
+])
+def test_fast_bf16_read_from_the_cpu_flags(tmp_path, flags, fast):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert runtime.cpu_has_fast_bf16(str(cpuinfo)) is fast
+
+
+def test_no_cpuinfo_means_no_fast_bf16(tmp_path):
+    assert runtime.cpu_has_fast_bf16(str(tmp_path / "missing")) is False
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_auto_dtype(monkeypatch, fast_bf16):
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: fast_bf16)
+    assert runtime.resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast_bf16 else torch.float32)
+    assert runtime.resolve_dtype("auto", "cuda") == torch.bfloat16
+    for name in ("float32", "bfloat16", "float16"):
+        assert runtime.resolve_dtype(name, "cpu") == getattr(torch, name)
+
+
+def test_cpu_threads_as_asked_else_every_allowed_core():
+    before = torch.get_num_threads()
+    try:
+        runtime.set_cpu_threads(1)
+        assert torch.get_num_threads() == 1
+        runtime.set_cpu_threads(None)
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_worker_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(placement, "cluster_has_gpus", lambda: True)
+    assert runtime.worker_device(1) == "cpu"  # TP=1 runs here: this process's own devices
+    assert runtime.worker_device(2) == "cuda"  # TP>1: the cluster's
+    monkeypatch.setattr(placement, "cluster_has_gpus", lambda: False)
+    assert runtime.worker_device(2) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert runtime.worker_device(1) == "cuda"
+
+
+# ---- placement options -----------------------------------------------------------------------
+
+def _config(tp: int, strategy: str = "STRICT_PACK") -> SimpleNamespace:
+    return SimpleNamespace(tensor_parallel_size=tp, placement_strategy=strategy)
+
+
+def test_tp1_uses_serve_defaults():
+    assert placement.serve_deployment_ray_options(_config(1), use_gpu=True) == {}
+
+
+@pytest.mark.parametrize("use_gpu", [True, False])
+def test_tp_placement_group_has_one_bundle_per_rank_and_the_replica_cpu_in_bundle_0(use_gpu):
+    options = placement.serve_deployment_ray_options(_config(3, "SPREAD"), use_gpu=use_gpu, replica_cpus=1.0)
+    device = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
+    first = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 2.0}
+    assert options == {
+        "ray_actor_options": {"num_cpus": 1.0},
+        "placement_group_bundles": [first, device, device],
+        "placement_group_strategy": "SPREAD",
+    }
+
+
+def test_bundles_reject_a_tp_size_below_one_and_skip_a_zero_replica_share():
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        placement.placement_bundles(0, use_gpu=False, replica_cpus=1.0)
+    assert placement.placement_bundles(2, use_gpu=True, replica_cpus=0.0) == [{"GPU": 1.0}, {"GPU": 1.0}]
+
+
+def test_gpus_found_through_the_cluster_when_this_process_sees_none(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake_ray = SimpleNamespace(is_initialized=lambda: True, cluster_resources=lambda: {"CPU": 8.0, "GPU": 2.0})
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    assert placement.cluster_has_gpus() is True
+    fake_ray.cluster_resources = lambda: {"CPU": 8.0}
+    assert placement.cluster_has_gpus() is False
+    fake_ray.is_initialized = lambda: False
+    assert placement.cluster_has_gpus() is False
