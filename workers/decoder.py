@@ -127,12 +127,5 @@ class DecoderForCausalLM(nn.Module):
 def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype = torch.float32,
                 max_positions: int | None = None) -> DecoderForCausalLM:
     """The model for cfg.architecture (every supported family is the one decoder with its options)."""
-    windows = sorted({w for w in cfg.layer_sliding_windows if w is not None})
-    logger.info("model architecture %s (family %s): %d layers, %d/%d heads (q/kv), head_dim %d%s%s",
-                cfg.architecture, cfg.family, cfg.num_hidden_layers, cfg.num_attention_heads,
-                cfg.num_key_value_heads, cfg.head_dim,
-                f", sliding window {windows} on {sum(w is not None for w in cfg.layer_sliding_windows)} layers"
-                if windows else "",
-                f", soft caps attn={cfg.attn_logit_softcap} final={cfg.final_logit_softcap}"
-                if cfg.attn_logit_softcap or cfg.final_logit_softcap else "")
+    logger.info("building %s", cfg.describe())
     return DecoderForCausalLM(cfg, tp, dtype, max_positions)

@@ -106,6 +106,18 @@ class ModelConfig:
         """True when no layer attends beyond the window (blocks outside it are dead for all layers)."""
         return bool(self.layer_sliding_windows) and all(w is not None for w in self.layer_sliding_windows)
 
+    def describe(self) -> str:
+        """One line for the startup log: the architecture and the options that set it apart."""
+        windows = sorted({w for w in self.layer_sliding_windows if w is not None})
+        parts = [f"architecture {self.architecture} (family {self.family})", f"{self.num_hidden_layers} layers",
+                 f"{self.num_attention_heads}/{self.num_key_value_heads} q/kv heads of {self.head_dim}"]
+        if windows:
+            num_sliding = sum(w is not None for w in self.layer_sliding_windows)
+            parts.append(f"sliding window {'/'.join(map(str, windows))} on {num_sliding} layers")
+        if self.attn_logit_softcap or self.final_logit_softcap:
+            parts.append(f"soft caps attention={self.attn_logit_softcap} final={self.final_logit_softcap}")
+        return ", ".join(parts)
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)

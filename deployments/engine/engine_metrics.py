@@ -60,6 +60,7 @@ class EngineMetrics:
     # ---- startup ------------------------------------------------------------------------
     def log_startup(self, engine) -> None:
         tp = engine.config.tensor_parallel_size
+        logger.info("Model %s: %s", engine.model_config.path, engine.model_config.describe())
         for report in engine.load_reports:
             logger.info(format_weights_loaded(report.param_bytes, report.load_time, report.rank, tp))
             logger.info("Rank %d/%d: KV budget %s", report.rank, tp, report.budget_note)
