@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -97,11 +96,24 @@ def test_disconnect_aborts_and_frees_the_kv_cache(tpserve_server, http, poll, st
                 assert tpserve_server.engine_state()["num_used_kv_blocks"] > 0
             # Leaving the block closes the connection mid-stream.
         else:
-            with pytest.raises(httpx.ReadTimeout):
-                client.post("/v1/completions", json=body, timeout=httpx.Timeout(120, read=1.5))
+            asyncio.run(_post_and_leave_once_running(tpserve_server, poll, body))
     # Freed long before 500 tokens could have been generated, and counted as an abort.
     tpserve_server.wait_idle(timeout_s=10)
     poll(lambda: aborted_count(http) == aborted_before + 1, 10, "the abort to be counted")
+
+
+async def _post_and_leave_once_running(tpserve_server, poll, body: dict) -> None:
+    """A non-streaming client that hangs up once its request holds KV blocks (no read timeout
+    guess: the request is seen running first, then the connection is closed)."""
+    async with httpx.AsyncClient(base_url=tpserve_server.base_url, timeout=120) as client:
+        request = asyncio.create_task(client.post("/v1/completions", json=body))
+        await asyncio.to_thread(
+            poll, lambda: tpserve_server.engine_state()["num_used_kv_blocks"] > 0, 60, "the request to run"
+        )
+        assert not request.done(), "500 tokens finished before the client could leave"
+        request.cancel()  # closes the connection mid-request
+        with pytest.raises(asyncio.CancelledError):
+            await request
 
 
 def test_concurrent_greedy_streams_equal_sequential_ones(tpserve_server):
@@ -130,26 +142,25 @@ def test_concurrent_greedy_streams_equal_sequential_ones(tpserve_server):
 
 
 def test_health_answers_fast_while_the_engine_is_busy(tpserve_server, poll):
-    body = {"prompt": "Keep talking.", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    body = {"prompt": "Keep talking.", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 
-    async def scenario() -> list[float]:
+    async def scenario() -> None:
         async with httpx.AsyncClient(base_url=tpserve_server.base_url, timeout=120) as client:
             load = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(4)]
             await asyncio.to_thread(
                 poll, lambda: tpserve_server.engine_state()["num_used_kv_blocks"] > 0, 30, "the load to start"
             )
-            latencies = []
+            # Ordered by events, not by a latency guess on a shared machine: every probe is answered
+            # while the load is still being generated (a /health that waited for the engine would
+            # come back after it).
             for _ in range(10):
-                start = time.perf_counter()
-                response = await client.get("/health")
-                latencies.append(time.perf_counter() - start)
-                assert response.status_code == 200
-                await asyncio.sleep(0.05)
+                assert (await client.get("/health")).status_code == 200
+                assert not any(task.done() for task in load), "a load request ended before the probes"
             busy = (await asyncio.to_thread(tpserve_server.engine_state))["num_unfinished_requests"]
             assert busy > 0, "the load finished before the probes: lengthen it"
-            await asyncio.gather(*load)
-            return latencies
+            for task in load:
+                task.cancel()  # the clients leave: their requests are aborted
+            await asyncio.gather(*load, return_exceptions=True)
 
-    latencies = sorted(asyncio.run(scenario()))
-    # The median must be well inside the budget; one slow outlier on a shared 2-core machine is noise.
-    assert latencies[len(latencies) // 2] < 0.1 and latencies[-2] < 0.1, latencies
+    asyncio.run(scenario())
+    tpserve_server.wait_idle()

@@ -246,13 +246,17 @@ def test_streaming_final_chunk_metrics_match_the_timeline_and_svg(http, tpserve_
     check_timeline_against_its_events(timeline, usage["prompt_tokens"], 5)
     check_metrics_object(finals[0]["metrics"], timeline, usage, streaming=True)
 
-    # The same request drawn: SVG, well-formed XML.
+    # The same request drawn: the SVG shows its phases (a bar each, with a width) and its tokens.
     svg = http.get(f"/v1/requests/{response_id}/timeline", params={"format": "svg"})
     assert svg.status_code == 200 and svg.headers["content-type"].startswith("image/svg+xml")
     root = ET.fromstring(svg.text)
-    assert root.tag == "{http://www.w3.org/2000/svg}svg"
-    assert root.iter("{http://www.w3.org/2000/svg}rect") is not None
-    assert len(list(root.iter("{http://www.w3.org/2000/svg}rect"))) >= 3  # queue, prefill, decode at least
+    ns = "{http://www.w3.org/2000/svg}"
+    assert root.tag == f"{ns}svg"
+    bars = {rect.get("class"): float(rect.get("width")) for rect in root.iter(f"{ns}rect") if rect.get("class")}
+    assert {"queue", "prefill", "decode"} <= set(bars), bars
+    assert bars["prefill"] > 0 and bars["decode"] > 0, bars  # 5 tokens: the decode phase has a length
+    token_lines = [line for line in root.iter(f"{ns}line") if line.get("class") == "new_tokens"]
+    assert 1 <= len(token_lines) <= 5  # one tick per step that produced tokens
     assert response_id in svg.text
 
 

@@ -103,9 +103,14 @@ def test_svg_is_well_formed_with_segments_axis_and_legend():
 
 
 def test_svg_of_minimal_request():
+    """A request that never ran draws no phase bars (nothing to show) and still names itself."""
     single = events((E.QUEUED, 5.0), (E.FINISHED, 5.0))
-    ET.fromstring(timeline_svg(single, compute_intervals(single), "empty"))
-    ET.fromstring(timeline_svg([], compute_intervals([]), "nothing"))
+    for history, title in ((single, "empty"), ([], "nothing")):
+        root = ET.fromstring(timeline_svg(history, compute_intervals(history), title))
+        bars = [rect for rect in root.iter(f"{SVG_NS}rect")
+                if rect.get("class") in ("prefill", "decode", "preempted", "recompute")]
+        assert bars == []
+        assert title in " ".join(text.text or "" for text in root.iter(f"{SVG_NS}text"))
 
 
 def test_nice_tick_step():
@@ -146,7 +151,8 @@ def test_store_entry_json_and_svg():
     assert body["finished_reason"] == "stop"
     assert body["intervals"]["itl"] == {"count": 3, "mean": 0.75, "max": 1.75}
     assert body["events"][0] == {"type": "ARRIVED", "offset_s": 0.0}
-    assert ET.fromstring(entry.to_svg()).tag == f"{SVG_NS}svg"
+    drawn = ET.fromstring(entry.to_svg())
+    assert {"queue", "prefill", "decode", "preempted"} <= {rect.get("class") for rect in drawn.iter(f"{SVG_NS}rect")}
 
 
 def test_store_memory_per_entry_is_bounded():

@@ -1,0 +1,73 @@
+"""Logprobs out of the engine equal the log-softmax of the model's RAW logits (before temperature
+and penalties, as OpenAI and vLLM report them), checked against HF transformers' forward over
+the same prompt + output ids in float32, for sampled, penalized and greedy requests in one batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.sampling_params import SamplingParams
+from tests.engine_helpers import PROMPTS, _hf_model, make_engine
+from tests.model_fixtures import default_model_path
+
+TOLERANCE = 1e-3
+
+
+def hf_position_logprobs(path: str, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """[len(output), V] log-softmax of HF's logits at each position that produced an output token."""
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = _hf_model(path)(ids).logits[0].float()
+    return torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+
+
+def assert_logprobs_match(positions, output_ids: list[int], reference: torch.Tensor, num_top: int, name: str) -> None:
+    assert [p.sampled.token_id for p in positions] == output_ids, name
+    for n, position in enumerate(positions):
+        ref = reference[n]
+        assert abs(position.sampled.logprob - float(ref[output_ids[n]])) < TOLERANCE, (name, n)
+        assert len(position.top) == num_top, (name, n)
+        # The reported top-N are the N largest (near-ties may swap order between kernels).
+        nth_largest = float(ref.topk(num_top).values[-1]) if num_top else 0.0
+        for entry in position.top:
+            assert abs(entry.logprob - float(ref[entry.token_id])) < TOLERANCE, (name, n, entry)
+            assert entry.logprob >= nth_largest - TOLERANCE, (name, n, entry)
+        values = [entry.logprob for entry in position.top]
+        assert values == sorted(values, reverse=True), (name, n)
+
+
+def test_engine_logprobs_equal_hf_raw_log_softmax():
+    path = default_model_path()
+    engine = make_engine(path)
+    max_tokens = 8
+    params = {
+        "greedy": SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, ignore_eos=True),
+        "sampled_penalized": SamplingParams(max_tokens=max_tokens, temperature=0.6, top_k=30, seed=7,
+                                            repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5,
+                                            logit_bias={13: 4.0}, logprobs=3, ignore_eos=True),
+        "hot": SamplingParams(max_tokens=max_tokens, temperature=1.8, top_p=0.9, seed=8, logprobs=0, ignore_eos=True),
+        "no_logprobs": SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=9, ignore_eos=True),
+    }
+    prompts = {name: engine.tokenizer.encode(PROMPTS[i]) for i, name in enumerate(params)}
+    for name in params:
+        engine.add_request(name, prompts[name], params[name])
+    positions: dict[str, list] = {name: [] for name in params}
+    output_ids: dict[str, list[int]] = {name: [] for name in params}
+    saw_none = True
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            output_ids[out.request_id].extend(out.new_token_ids)
+            if out.request_id == "no_logprobs":
+                saw_none = saw_none and out.new_logprobs is None
+            elif out.new_logprobs:
+                positions[out.request_id].extend(out.new_logprobs)
+    assert saw_none
+    for name in ("greedy", "sampled_penalized", "hot"):
+        reference = hf_position_logprobs(path, prompts[name], output_ids[name])
+        assert len(positions[name]) == len(output_ids[name]) == max_tokens
+        assert_logprobs_match(positions[name], output_ids[name], reference, params[name].logprobs, name)
+    # The penalties and the temperature did change what was sampled (so "raw" means something):
+    # some sampled token is not the raw argmax.
+    reference = hf_position_logprobs(path, prompts["sampled_penalized"], output_ids["sampled_penalized"])
+    assert (reference.argmax(-1) != torch.tensor(output_ids["sampled_penalized"])).any()
