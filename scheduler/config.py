@@ -19,3 +19,6 @@ class SchedulerConfig:
     num_blocks: int
     # Automatic prefix caching.
     enable_prefix_caching: bool = True
+    # Window of a model whose every layer slides (Mistral v0.1): blocks behind it are released.
+    # None: full attention somewhere (or everywhere), every block is kept.
+    sliding_window: int | None = None

@@ -2,12 +2,19 @@
 
 Verbs: `get_computed_blocks` (prefix-cache lookup), `allocate_slots` (reserve room for the tokens
 scheduled this step), `free` (release everything a request holds), `snapshot` (METRICS.md s.4).
+
+Sliding-window models (every layer attends to the last `sliding_window` positions only, as
+Mistral v0.1): once no future query can see a block, `on_tokens_computed` releases it and the
+request's table keeps the null block in its place. Released full blocks stay in the prefix cache
+(a later request with the same prefix still hits them); the workers keep reading their old ids
+for those positions, which the window masks out, so whatever another request writes there later
+is never used.
 """
 
 from __future__ import annotations
 
 from metrics.stats import KVCacheSnapshot
-from scheduler.block_pool import BlockKey, BlockPool, KVBlock, hash_block
+from scheduler.block_pool import NULL_BLOCK_ID, BlockKey, BlockPool, KVBlock, hash_block
 from scheduler.request import Request
 
 
@@ -16,8 +23,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        # Every layer's window in tokens (None: full attention, keep every block).
+        self.sliding_window = sliding_window
+        # Placeholder for released out-of-window blocks in a request's table (never in the pool).
+        self._null_block = KVBlock(NULL_BLOCK_ID)
+        # request id -> how many leading blocks were released as out of the window.
+        self._req_num_released: dict[str, int] = {}
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         # request id -> blocks it holds, in token order.
@@ -88,7 +102,7 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         self._req_keys.setdefault(request.request_id, [])
         self._cache_full_blocks(request, num_needed_tokens)
-        self._set_held_tokens(request.request_id, request.num_computed_tokens)
+        self._set_held_tokens(request.request_id, self._held_tokens(request))
         return [b.block_id for b in new_blocks]
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -109,14 +123,36 @@ class KVCacheManager:
         """Release all blocks of a request (finish, abort or preemption); tail first."""
         blocks = self._req_blocks.pop(request.request_id, [])
         self._req_keys.pop(request.request_id, None)
-        self.pool.release(list(reversed(blocks)))
+        self._req_num_released.pop(request.request_id, None)
+        self.pool.release([b for b in reversed(blocks) if b is not self._null_block])
         self._num_held_tokens -= self._req_held_tokens.pop(request.request_id, 0)
 
     # ---- token accounting ---------------------------------------------------------------
     def on_tokens_computed(self, request: Request) -> None:
         """The request's num_computed_tokens advanced: its K/V now fill that many slots."""
         if request.request_id in self._req_blocks:
-            self._set_held_tokens(request.request_id, request.num_computed_tokens)
+            if self.sliding_window is not None:
+                self._release_outside_window(request)
+            self._set_held_tokens(request.request_id, self._held_tokens(request))
+
+    def _release_outside_window(self, request: Request) -> None:
+        """Release the leading blocks that no future query sees: the next query is at position
+        num_computed_tokens and sees keys from num_computed_tokens - window + 1 on."""
+        first_visible = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        blocks = self._req_blocks[request.request_id]
+        start = self._req_num_released.get(request.request_id, 0)
+        end = min(first_visible // self.block_size, len(blocks))
+        if end <= start:
+            return
+        released = blocks[start:end]
+        blocks[start:end] = [self._null_block] * (end - start)
+        self._req_num_released[request.request_id] = end
+        self.pool.release(list(reversed(released)))
+
+    def _held_tokens(self, request: Request) -> int:
+        """Tokens whose K/V the request still holds (released window blocks excluded)."""
+        released = self._req_num_released.get(request.request_id, 0)
+        return max(0, request.num_computed_tokens - released * self.block_size)
 
     def _set_held_tokens(self, request_id: str, num_tokens: int) -> None:
         self._num_held_tokens += num_tokens - self._req_held_tokens.get(request_id, 0)

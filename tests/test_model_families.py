@@ -134,3 +134,22 @@ def test_unsupported_architecture_fails_naming_supported_ones(tmp_path, arch, de
     assert arch in message and detail in message
     for supported in SUPPORTED_ARCHITECTURES:
         assert supported in message
+
+
+def test_mistral_keeps_only_the_blocks_inside_its_window(tmp_path_factory):
+    path = make_tiny_family_model(tmp_path_factory.mktemp("mistral-window") / "model", "mistral")
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(path)(PROMPTS[3]).input_ids
+    engine = make_engine(path, block_size=16)
+    assert engine.scheduler_config.sliding_window == MISTRAL_WINDOW
+    engine.add_request("w", prompt, greedy(NUM_TOKENS))
+    tokens, most_blocks = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+        most_blocks = max(most_blocks, engine.num_used_kv_blocks)
+    assert len(prompt) + NUM_TOKENS > 3 * 16  # without releasing, the request would hold 4 blocks
+    # A decode query sees the last 12 positions: they and the next slot span at most 2 blocks.
+    assert most_blocks <= 2
+    assert tokens == hf_greedy(path, prompt, NUM_TOKENS)

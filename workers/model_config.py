@@ -102,6 +102,12 @@ class ModelConfig:
         return self.layer_sliding_windows[layer] if self.layer_sliding_windows else None
 
     @property
+    def kv_sliding_window(self) -> int | None:
+        """The window past which a request's KV blocks are dead for every layer, or None when
+        some layer attends to the whole context (Gemma's global layers, most models)."""
+        return max(self.layer_sliding_windows) if self.every_layer_slides else None
+
+    @property
     def every_layer_slides(self) -> bool:
         """True when no layer attends beyond the window (blocks outside it are dead for all layers)."""
         return bool(self.layer_sliding_windows) and all(w is not None for w in self.layer_sliding_windows)

@@ -96,6 +96,7 @@ class LLMEngine:
             block_size=config.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=self.model_config.kv_sliding_window,
         )
         self.scheduler = Scheduler(self.scheduler_config)
         self.eos_token_id = self.model_config.eos_token_id
