@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tpserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-cluster bench bench-offline bench-serve bench-tp model clean
+.PHONY: install serve test test-cluster bench bench-offline bench-serve bench-tp model gpu-prepare clean
 
 install: $(STAMP) model
 
@@ -43,6 +43,12 @@ bench-serve:
 
 bench-tp:
 	$(PY) -m bench.tp_dispatch
+
+# What tests/gpu/device_check.sh needs on the GPU machine, into git-ignored folders that the
+# device tool carries: .gpu_assets/ (SmolLM2's config + tokenizer) and .whl/ (wheels the GPU image
+# lacks). Then, on the device: bash tests/gpu/device_check.sh (README, "GPU check").
+gpu-prepare: install
+	VENV_PY=$(PY) bash tests/gpu/device_check.sh --prepare
 
 clean:
 	rm -rf $(VENV) .pytest_cache

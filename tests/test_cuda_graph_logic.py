@@ -44,7 +44,7 @@ from workers.worker import WorkerConfig, WorkerCore
 
 # The GPU tests' helpers (driver, greedy comparison) live beside them in tests/gpu.
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
-from gpu_helpers import StepDriver, compare_greedy, random_prompts  # noqa: E402
+from gpu_helpers import RerunCapturer, StepDriver, compare_greedy, random_prompts  # noqa: E402
 
 BLOCK_SIZE = 4
 
@@ -284,19 +284,6 @@ def test_a_difference_is_accepted_only_inside_both_top_k():
 
 
 # ---- the whole decode path on CPU, graphs stood in for ------------------------------------
-class RerunCapturer:
-    """CPU stand-in for CUDA graphs: replay re-runs the forward, which reads the static buffers
-    at replay time, and refreshes the static output in place, as a graph replay does."""
-
-    def __init__(self) -> None:
-        self.num_captures = 0
-
-    def capture(self, forward):
-        self.num_captures += 1
-        output = forward().clone()
-        return (lambda: output.copy_(forward())), output
-
-
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     from model_fixtures import make_tiny_llama

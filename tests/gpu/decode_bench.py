@@ -1,5 +1,6 @@
-"""Decode micro-benchmark on GPU: eager vs CUDA graphs, tokens/s at batch 1, 8 and 32; optionally a
-small HTTP load against the FastAPI app of one engine (uvicorn, no Ray). Prints and writes JSON.
+"""Decode micro-benchmark on GPU: eager vs CUDA graphs, tokens/s at batch 1, 8, 32 and 64, against
+the same model's eager HF `generate`; optionally a small HTTP load against the FastAPI app of one
+engine (uvicorn, no Ray). Prints and writes JSON.
 
     python tests/gpu/decode_bench.py --out $OUT/decode_bench.json [--http] [--model PATH]
 
@@ -10,13 +11,14 @@ tokens, prefill, 16 warm-up decode steps, then `--steps` timed decode steps thro
   step_tokens_per_s     B * steps / wall time of the timed steps;
   forward_tokens_per_s  B / mean runner time (input prep + forward + sampling, the engine's
                         forward_duration), i.e. without scheduler and detokenizer overhead.
+HF generate (transformers, eager, the same weights and dtype, greedy, B prompts of 32 tokens):
+  decode_tokens_per_s   B * (N - 1) / (time of N new tokens - time of 1 new token), N = --steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import gc
 import json
 import socket
@@ -38,20 +40,11 @@ WARMUP_STEPS = 16
 
 def make_engine(path: str, enforce_eager: bool, dtype: str, **config_overrides):
     from deployments.config import TpserveConfig
-    from deployments.engine.engine import LLMEngine, make_worker_config
-    from workers.executor import InProcessExecutor
-    from workers.model_config import ModelConfig
+    from deployments.engine.engine import LLMEngine
 
     config = TpserveConfig(model=path, dtype=dtype, gpu_memory_utilization=0.3, enforce_eager=enforce_eager,
                            **config_overrides)
-    model_config = ModelConfig.from_pretrained(path)
-    max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                        model_config.max_position_embeddings)
-    worker_config = dataclasses.replace(
-        make_worker_config(config, model_config, max_model_len), enforce_eager=config.enforce_eager,
-        max_num_seqs=config.max_num_seqs, max_cuda_graph_batch_size=config.max_cuda_graph_batch_size,
-    )
-    return config, LLMEngine(config, executor=InProcessExecutor(worker_config))
+    return config, LLMEngine(config)
 
 
 def graph_runner(engine):
@@ -116,6 +109,35 @@ def bench_mode(path: str, enforce_eager: bool, dtype: str, batch_sizes: list[int
               f"{result['batches'][str(b)]['forward_tokens_per_s']:9.1f} tok/s (runner)", flush=True)
     engine.shutdown()
     del engine, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def bench_hf_generate(path: str, dtype: str, batch_sizes: list[int], new_tokens: int) -> dict:
+    """The same weights through transformers' eager generate (greedy, no CUDA graphs)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to("cuda").eval()
+    result = {}
+    for b in batch_sizes:
+        ids = torch.tensor(random_prompts(b, seed=b, min_len=PROMPT_LEN, max_len=PROMPT_LEN), device="cuda")
+
+        def timed(n: int) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        timed(4)  # warm-up
+        one, many = timed(1), timed(new_tokens)
+        result[str(b)] = {"batch_size": b, "new_tokens": new_tokens, "generate_s": many,
+                          "decode_tokens_per_s": b * (new_tokens - 1) / max(many - one, 1e-9)}
+        print(f"  hf generate batch {b:3d}: {result[str(b)]['decode_tokens_per_s']:9.1f} tok/s (decode)", flush=True)
+    del model
     gc.collect()
     torch.cuda.empty_cache()
     return result
@@ -199,7 +221,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder (default: gpu_helpers.smollm2_path())")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--http", action="store_true", help="also run a small HTTP load (needs uvicorn)")
     parser.add_argument("--http-requests", type=int, default=64)
@@ -236,6 +258,14 @@ def main() -> None:
             "runner": report["modes"]["graphs"]["batches"][str(b)]["forward_tokens_per_s"]
             / report["modes"]["eager"]["batches"][str(b)]["forward_tokens_per_s"],
         }
+        for b in batch_sizes
+    }
+    save()
+    print("hf generate:", flush=True)
+    report["hf_generate"] = bench_hf_generate(path, args.dtype, batch_sizes, args.steps)
+    report["graphs_vs_hf_generate"] = {
+        str(b): report["modes"]["graphs"]["batches"][str(b)]["step_tokens_per_s"]
+        / report["hf_generate"][str(b)]["decode_tokens_per_s"]
         for b in batch_sizes
     }
     save()

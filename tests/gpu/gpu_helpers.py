@@ -2,6 +2,7 @@
 
 * `StepDriver`: drives one rank's WorkerCore with hand-made SchedulerOutputs (a prefill step,
   then decode-only steps), the way the scheduler would, with no scheduler or tokenizer.
+* `RerunCapturer`: a CPU stand-in for CUDA-graph capture (replay re-runs the forward).
 * `compare_greedy`: graph vs eager greedy tokens as vLLM compares them (check_logprobs_close):
   identical, or at the first difference each run's token is among the other run's top-k.
 * `smollm2_path`: the model the GPU checks run: $TPSERVE_GPU_MODEL, else the real default model
@@ -94,6 +95,20 @@ class StepDriver:
         # Let the worker drop the requests' state.
         self.worker.execute_model(SchedulerOutput(finished_req_ids=set(ids)))
         return GreedyRun(tokens, top if logprobs else None)
+
+
+class RerunCapturer:
+    """CPU stand-in for CUDA graphs (workers.cuda_graph.Capturer): replay re-runs the forward,
+    which reads the static buffers at replay time, and refreshes the static output in place, as
+    a graph replay does."""
+
+    def __init__(self) -> None:
+        self.num_captures = 0
+
+    def capture(self, forward):
+        self.num_captures += 1
+        output = forward().clone()
+        return (lambda: output.copy_(forward())), output
 
 
 def random_prompts(num: int, seed: int, min_len: int = 5, max_len: int = 40, vocab: int = 49152) -> list[list[int]]:
