@@ -153,3 +153,31 @@ def test_mistral_keeps_only_the_blocks_inside_its_window(tmp_path_factory):
     # A decode query sees the last 12 positions: they and the next slot span at most 2 blocks.
     assert most_blocks <= 2
     assert tokens == hf_greedy(path, prompt, NUM_TOKENS)
+
+
+# ---- attention options ------------------------------------------------------------------------
+def test_window_mask_follows_hf_convention():
+    from workers.attention import window_mask
+
+    mask = window_mask(torch.tensor([5, 9]), 10, 3)
+    # A query at p sees keys p-2..p (HF: kv_idx > q_idx - window, kv_idx <= q_idx).
+    assert mask[0].nonzero().flatten().tolist() == [3, 4, 5]
+    assert mask[1].nonzero().flatten().tolist() == [7, 8, 9]
+    assert window_mask(torch.tensor([4]), 6, None)[0].tolist() == [True] * 5 + [False]
+
+
+def test_soft_capped_attention_matches_eager_reference_in_query_slices(monkeypatch):
+    import workers.attention as attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 40, 16), torch.randn(1, 4, 40, 16), torch.randn(1, 4, 40, 16)
+    mask = attention.window_mask(torch.arange(40), 40, 9)
+    kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = 5.0 * torch.tanh((q @ kr.transpose(-1, -2)) * 0.25 / 5.0)
+    expected = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ vr
+    monkeypatch.setattr(attention, "SOFT_CAP_QUERY_SLICE", 7)
+    got = attention.attend(q, k, v, mask, 0.25, 5.0)
+    assert torch.allclose(got, expected, atol=1e-5)
+    # Without a cap the same mask goes through SDPA.
+    plain = torch.softmax(((q @ kr.transpose(-1, -2)) * 0.25).masked_fill(~mask, float("-inf")), dim=-1) @ vr
+    assert torch.allclose(attention.attend(q, k, v, mask, 0.25, None), plain, atol=1e-5)

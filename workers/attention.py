@@ -7,6 +7,8 @@ through its block table:
     longest context and masked;
   * prefill chunks: one SDPA call each, causal with an offset for the context already cached
     (a chunk that starts at position 0 uses its own K/V directly, no gather).
+A layer may add a sliding window (keys more than window - 1 positions behind the query are
+masked) and a logit soft cap (Gemma 2: eager attention, since SDPA has no hook before the softmax).
 GQA is handled without copying K/V per query head: the query heads that share a KV head are
 folded into the query-length dimension (decode) or passed with enable_gqa (prefill).
 """
@@ -76,6 +78,10 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     return gathered.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, kv_heads, head_dim)
 
 
+# Query rows per slice of the eager soft-capped attention (bounds its score tensor).
+SOFT_CAP_QUERY_SLICE = 1024
+
+
 def window_mask(query_positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
     """[Q, num_keys] True where key j is visible from the query at position p: j <= p and, with a
     window, p - j < window (HF's sliding-window convention)."""
@@ -95,14 +101,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if q.shape[1] != k.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
     if is_causal:
+        # Causal with as many queries as keys (a chunk at position 0).
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v)
+    # The scores are materialized: a long prefill goes through in slices of queries so that
+    # they take [B, H, SOFT_CAP_QUERY_SLICE, L] at a time, not [B, H, Q, L].
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    for start in range(0, q.shape[-2], SOFT_CAP_QUERY_SLICE):
+        end = start + SOFT_CAP_QUERY_SLICE
+        scores = torch.matmul(q[..., start:end, :], k.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+        if mask is not None:
+            rows = mask[..., start:end, :] if mask.shape[-2] > 1 else mask
+            scores = scores.masked_fill(~rows, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[..., start:end, :] = torch.matmul(weights, v)
+    return out
 
 
 def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
