@@ -44,6 +44,24 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, max_blocks: int) -> int:
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, soft_cap, USE_SOFT_CAP: tl.constexpr):
+    """Fold one block of keys/values into the running (max, sum, accumulator) of each head."""
+    # [GROUP_P2, BLOCK_SIZE] scores of the group's heads against this block's keys.
+    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+    if USE_SOFT_CAP:
+        scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A row that has seen no valid key yet keeps m = -inf; exp(-inf - -inf) must not be NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    acc_new = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l_new, acc_new
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     scale, soft_cap, window, min_blocks_per_split,
@@ -83,21 +101,9 @@ def _decode_split_kernel(
         kv_offsets = (block_id * stride_kb + offsets[:, None] * stride_kt + kv_head * stride_kh + dims[None, :])
         k = tl.load(k_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + kv_offsets, mask=dim_ok[None, :], other=0.0).to(tl.float32)
-        # [GROUP_P2, BLOCK_SIZE] scores of the group's heads against this block's keys.
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
-        if USE_SOFT_CAP:
-            scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
         pos = block * BLOCK_SIZE + offsets
         valid = (pos < ctx_len) & (pos >= first_pos)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A row that has seen no valid key yet keeps m = -inf; exp(-inf - -inf) must not be NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, soft_cap, USE_SOFT_CAP)
 
     store_mask = head_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
