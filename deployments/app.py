@@ -74,7 +74,7 @@ class TpserveDeployment(ScaleOutReplica):
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Kept: requests forwarded by the routing ingress run through the same app.
-        self.api = make_api(self.engine)
+        self.api = self.name_replica_in_responses(make_api(self.engine))
         return self.api
 
     def check_health(self) -> None:
@@ -96,9 +96,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     engine_app = TpserveDeployment.options(**deployment_options(config)).bind(config)
     if config.request_router == "kv_aware":
         # A thin ingress reads prompts and routes to engine replicas (deployments/routing/).
-        from deployments.routing.front import RoutingIngress
+        from deployments.routing.front import RoutingIngress, routing_ingress_options
 
-        return RoutingIngress.bind(engine_app)
+        return RoutingIngress.options(**routing_ingress_options(config)).bind(engine_app)
     return engine_app
 
 

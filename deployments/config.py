@@ -62,6 +62,9 @@ class TpserveConfig(BaseModel):
     # With autoscaling_config: "engine_load" scales on the engines' waiting queues and KV usage
     # (deployments/autoscaling.py); "ongoing_requests" is Serve's own policy.
     autoscaling_signal: Literal["ongoing_requests", "engine_load"] = "ongoing_requests"
+    # Ray resources the routing ingress (kv_aware) asks for, e.g. {"head_node": 0.01} to keep it
+    # beside the HTTP proxy on a node that is not scaled away; None = anywhere.
+    routing_ingress_resources: dict[str, float] | None = None
     # Attach per-request `metrics` to every response (clients may also ask per request).
     request_metrics: bool = False
     # How many finished requests keep their timeline for GET /v1/requests/{id}/timeline.

@@ -45,6 +45,8 @@ class RayNode:
     resource: str
     # Where `ray start` writes its output (read on failure).
     log_path: Path
+    # Port of the node's Ray metrics agent (Prometheus text format: every process on the node).
+    metrics_port: int
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Kill the node's whole process group (raylet, object store, every worker on it)."""
@@ -87,31 +89,29 @@ class TwoNodeCluster:
 
 
 def _start_node(args: list[str], resource: str, log_path: Path) -> RayNode:
+    metrics_port = free_port()
+    # Ports Ray would otherwise take at fixed defaults (two nodes on one machine would collide).
+    ports = [f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+             f"--metrics-export-port={metrics_port}", f"--dashboard-agent-grpc-port={free_port()}"]
     log = open(log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
-    process = subprocess.Popen([_ray_executable(), "start", "--block", "--disable-usage-stats", *args],
+    process = subprocess.Popen([_ray_executable(), "start", "--block", "--disable-usage-stats", *args, *ports],
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
-    return RayNode(process=process, resource=resource, log_path=log_path)
-
-
-def _node_ports() -> list[str]:
-    # Ports Ray would otherwise take at fixed defaults (two nodes on one machine would collide).
-    return [f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}"]
+    return RayNode(process=process, resource=resource, log_path=log_path, metrics_port=metrics_port)
 
 
 def start_head(num_cpus: int, temp_dir: Path, extra_args: list[str] | None = None) -> tuple[RayNode, str]:
     port = free_port()
     args = ["--head", "--node-ip-address=127.0.0.1", f"--port={port}", f"--num-cpus={num_cpus}",
             "--num-gpus=0", f"--resources={json.dumps({HEAD_RESOURCE: 1})}", "--include-dashboard=false",
-            f"--temp-dir={temp_dir}", *_node_ports(), *(extra_args or [])]
+            f"--temp-dir={temp_dir}", *(extra_args or [])]
     return _start_node(args, HEAD_RESOURCE, temp_dir / "head.log"), f"127.0.0.1:{port}"
 
 
 def start_worker(address: str, num_cpus: int, temp_dir: Path, name: str = "worker",
                  resource: str = WORKER_RESOURCE) -> RayNode:
     args = [f"--address={address}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--num-gpus=0",
-            f"--resources={json.dumps({resource: 1})}", *_node_ports()]
+            f"--resources={json.dumps({resource: 1})}"]
     return _start_node(args, resource, temp_dir / f"{name}.log")
 
 

@@ -4,14 +4,17 @@
       through the KV-aware router, prompts that share a system prompt go to one replica;
   (b) a TP=2 replica with SPREAD placement has one rank per node (gloo across the nodes) and
       its greedy output equals TP=1 on the tiny 8-head / 4-KV-head Llama;
-  (c) the worker node is killed while requests are in flight: every request ends (200, or a
-      5xx with an error body) within a bound, and the replicas come back on the surviving node.
+  (c) the worker node is killed while requests are in flight: whole responses are retried on the
+      surviving replica (200) or get a clear 503 once the ingress's bounded attempts are spent,
+      streams end complete or with an error event, nothing hangs, and the lost replica comes
+      back on the surviving node.
 
 Run with `make test-cluster` (their own pytest process: the driver connects to the cluster).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -98,6 +101,24 @@ def test_two_replicas_on_different_nodes_serve_one_app(cluster):
         served_by = Counter(r.headers["x-tpserve-replica"] for r in responses)
         assert set(served_by) == set(locations), served_by
 
+        # Every request's timeline is found through the app, whichever replica holds it.
+        for response in responses:
+            url = f"{server.base_url}/v1/requests/{response.json()['id']}/timeline"
+            found: dict = {}
+
+            def timeline_found() -> bool:
+                found["response"] = httpx.get(url, timeout=30)
+                return found["response"].status_code == 200
+
+            wait_until(timeline_found, 20, f"the timeline of {response.json()['id']}", poll_s=0.5)
+            assert found["response"].headers["x-tpserve-replica"] == response.headers["x-tpserve-replica"]
+            assert found["response"].json()["request_id"].startswith(response.json()["id"])
+        missing = httpx.get(f"{server.base_url}/v1/requests/cmpl-unknown/timeline", timeout=30)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+        # /metrics names the replica it describes.
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=30)
+        assert metrics.status_code == 200 and metrics.headers["x-tpserve-replica"] in locations
+
         # Requests that share a system prompt all go to one replica (the one holding its prefix).
         for system in SYSTEM_PROMPTS:
             replicas = set()
@@ -136,11 +157,20 @@ def test_tp2_spread_over_two_nodes_matches_tp1(cluster, tmp_path_factory):
         serve.delete("tp1")
 
 
+def stream_complete(base_url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, str]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=240) as response:
+        return response.status_code, "".join(response.iter_text())
+
+
 def test_worker_node_killed_while_serving(cluster):
     from ray import serve
 
     nodes, http_root = cluster
-    config = {**SERVE_TEST_CONFIG, "num_replicas": 2, "request_router": "kv_aware"}
+    # The routing ingress stays on the head, beside the HTTP proxy (as it would on a KubeRay head).
+    config = {**SERVE_TEST_CONFIG, "num_replicas": 2, "request_router": "kv_aware",
+              "routing_ingress_resources": {HEAD_RESOURCE: 0.01}}
     server = deploy(config, "survive", "/survive", http_root)
     head_id, worker_id = node_ids()
     try:
@@ -148,19 +178,21 @@ def test_worker_node_killed_while_serving(cluster):
         assert {loc["node_id"] for loc in locations.values()} == {head_id, worker_id}, (
             f"precondition: Serve should spread the two replicas over both nodes, got {locations}")
 
-        results: list[tuple[int, str, float]] = []
+        results: dict[int, tuple[int, str]] = {}
         lock = threading.Lock()
 
         def one_request(i: int) -> None:
-            started = time.monotonic()
+            prompt = f"Story {i}: once upon a time"
             try:
-                response = complete(server.base_url, server.model_name, f"Story {i}: once upon a time",
-                                    max_tokens=48, timeout=90)
-                outcome = (response.status_code, response.text)
+                if i < 6:
+                    response = complete(server.base_url, server.model_name, prompt, max_tokens=48, timeout=240)
+                    outcome = (response.status_code, response.text)
+                else:
+                    outcome = stream_complete(server.base_url, server.model_name, prompt, max_tokens=48)
             except httpx.HTTPError as exc:  # a transport error is an answer too, not a hang
                 outcome = (0, repr(exc))
             with lock:
-                results.append((*outcome, time.monotonic() - started))
+                results[i] = outcome
 
         threads = [threading.Thread(target=one_request, args=(i,), daemon=True) for i in range(8)]
         for thread in threads:
@@ -168,11 +200,22 @@ def test_worker_node_killed_while_serving(cluster):
         time.sleep(2.0)
         nodes.worker.kill()
         for thread in threads:
-            thread.join(120)
+            thread.join(300)
         assert not any(t.is_alive() for t in threads), "a request hung after the worker node died"
-        assert len(results) == 8
-        for status, text, _ in results:
-            assert status == 200 or (status >= 500 and text), (status, text)
+        # Whole responses: nothing was sent when the replica died, so the ingress retried them;
+        # one it could not place within its bounded attempts gets a clear 503 instead.
+        for i in range(6):
+            status, text = results[i]
+            if status == 200:
+                assert json.loads(text)["usage"]["completion_tokens"] == 48
+            else:
+                assert status == 503 and json.loads(text)["error"]["code"] == "replica_unavailable", (i, status, text)
+        # Streams: complete, or ended by an error event that says the replica failed.
+        for i in (6, 7):
+            status, text = results[i]
+            assert status == 200 and text.endswith("data: [DONE]\n\n"), (i, status, text[-300:])
+            last = json.loads(text.split("\n\n")[-3][len("data: "):])
+            assert "choices" in last or last["error"]["code"] == "replica_failed", last
 
         # Serve replaces the lost replica on the surviving node; the app serves again.
         def back_on_head() -> bool:
@@ -180,14 +223,13 @@ def test_worker_node_killed_while_serving(cluster):
                 found = replica_locations("survive", expected=2, timeout_s=20)
             except Exception:  # noqa: BLE001 - a call routed to the dead replica, or too few yet
                 return False
-            alive = {rid: loc for rid, loc in found.items() if loc["node_id"] == head_id}
-            return len(alive) == 2
+            return sum(loc["node_id"] == head_id for loc in found.values()) == 2
 
         wait_until(back_on_head, 240, "two replicas running on the head node after the worker died", poll_s=2.0)
         response = complete(server.base_url, server.model_name, "After the failure,")
         assert response.status_code == 200, response.text
-        statuses = Counter(status for status, _, _ in results)
-        print(f"in-flight outcomes when the worker node died: {dict(statuses)}; errors: "
-              f"{sorted({text[:300] for status, text, _ in results if status != 200})}")
+        outcomes = Counter(str(results[i][0]) if i < 6 else ("stream error" if '"error"' in results[i][1]
+                                                              else "stream complete") for i in range(8))
+        print(f"in-flight requests when the worker node died: {dict(outcomes)}")
     finally:
         serve.delete("survive")

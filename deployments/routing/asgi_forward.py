@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# First message of every forwarded call: the replica has the request (the ingress bounds the
+# wait for it; after it, the wait is the generation's own).
+ACCEPTED = "tpserve.accepted"
+
+
 @dataclass
 class ForwardedRequest:
     # HTTP method and path as the client sent them ("/v1/completions").
@@ -27,6 +32,9 @@ class ForwardedRequest:
     body: bytes
     # Chained prefix digests of the prompt (deployments/routing/prefix_digest.py); [] = none.
     prefix_digests: list[int] = field(default_factory=list)
+    # Replica ids (Serve's unique ids) not to send it to unless no other is left: a lookup
+    # (a request's timeline) asks replica after replica until the owner answers.
+    exclude_replicas: list[str] = field(default_factory=list)
 
 
 def _scope(request: ForwardedRequest) -> dict[str, Any]:

@@ -10,8 +10,10 @@ replica; one that dies mid-stream ends the stream with an OpenAI-style error eve
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,16 +21,35 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from deployments.routing.asgi_forward import ForwardedRequest
+from deployments.routing.asgi_forward import ACCEPTED, ForwardedRequest
 from deployments.routing.prefix_digest import prefix_digests, routing_text
+from deployments.routing.replica_side import REPLICA_HEADER
 
 logger = logging.getLogger("ray.serve")
 
 ROUTER_DEPLOYMENT_NAME = "tpserve-router"
 # Headers the ingress's own server sets again for the client connection.
 _HOP_BY_HOP = {b"transfer-encoding", b"connection", b"keep-alive", b"content-length"}
-# Attempts for a request whose replica failed before answering (a dead node).
+# GET /v1/requests/{id}/timeline, answered by whichever replica holds the request.
+_TIMELINE_PATH = re.compile(r"/v1/requests/[^/]+/timeline")
+# Most replicas one timeline lookup asks.
+MAX_TIMELINE_REPLICAS = 64
+# Attempts for a request whose replica failed before answering (a dead node), and the pause
+# between them (the router learns of the dead replica meanwhile).
 MAX_ATTEMPTS = 2
+RETRY_PAUSE_S = 0.5
+# Seconds for a request to reach a replica that accepts it (routing, not generation): long
+# enough for a loaded machine (routing took up to ~20 s on the 2-core, shared test machine).
+ACCEPT_TIMEOUT_S = 60.0
+
+
+def routing_ingress_options(config: Any) -> dict[str, Any]:
+    """Serve options of the routing ingress for a TpserveConfig: no CPU reserved (it only
+    forwards), placed where `routing_ingress_resources` says."""
+    actor_options: dict[str, Any] = {"num_cpus": 0}
+    if config.routing_ingress_resources:
+        actor_options["resources"] = dict(config.routing_ingress_resources)
+    return {"ray_actor_options": actor_options}
 
 
 def digests_for(method: str, body: bytes) -> list[int]:
@@ -38,6 +59,20 @@ def digests_for(method: str, body: bytes) -> list[int]:
         return prefix_digests(routing_text(json.loads(body)))
     except ValueError:
         return []  # the replica answers the malformed body with its own 400
+
+
+def _engine_path(request: Request) -> str:
+    """The path as the engine app routes it: without this app's route prefix."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):] or "/"
+    return path
+
+
+async def _discard(response: Response) -> None:
+    if isinstance(response, StreamingResponse):
+        async for _ in response.body_iterator:
+            pass
 
 
 def replica_unavailable(exc: BaseException) -> JSONResponse:
@@ -61,14 +96,22 @@ class RoutingIngress:
 
     async def _first_message(self, request: ForwardedRequest) -> tuple[Any, dict[str, Any]]:
         last_error: BaseException | None = None
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(RETRY_PAUSE_S)
             stream = self._handle.remote(request)
             try:
+                # Bounded: routing to a replica that then takes the request. A replica on a dead
+                # node, or a router stuck on stale replicas, must not hold the client forever.
+                accepted = await asyncio.wait_for(stream.__anext__(), ACCEPT_TIMEOUT_S)
+                if accepted.get("type") != ACCEPTED:
+                    raise RuntimeError(f"unexpected first message from the replica: {accepted.get('type')}")
                 return stream, await stream.__anext__()
             except StopAsyncIteration as exc:
                 last_error = exc
-            except Exception as exc:  # noqa: BLE001 - a dead replica/node: retried, nothing was sent
-                logger.warning("tpserve router: replica failed before answering, retrying: %s", exc)
+            except (Exception, asyncio.TimeoutError) as exc:  # noqa: BLE001 - dead replica/node: nothing was sent
+                logger.warning("tpserve router: replica failed before answering, retrying: %r", exc)
+                stream.cancel()
                 last_error = exc
         raise RuntimeError(str(last_error)) from last_error
 
@@ -86,14 +129,31 @@ class RoutingIngress:
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
-        # The path as the engine app routes it: without this app's route prefix.
-        path, root = request.scope["path"], request.scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):] or "/"
-        forwarded = ForwardedRequest(method=request.method, path=path,
+        if request.method == "GET" and _TIMELINE_PATH.fullmatch(_engine_path(request)):
+            return await self._find_timeline(request)
+        return await self._forward(request, body)
+
+    async def _find_timeline(self, request: Request) -> Response:
+        """A timeline lives on the replica that served the request: ask replica after replica
+        (the router skips those already asked) until one has it. Operators' lookups, not the
+        request path: at most one call per replica."""
+        asked: list[str] = []
+        response: Response | None = None
+        for _ in range(MAX_TIMELINE_REPLICAS):
+            response = await self._forward(request, b"", exclude_replicas=asked)
+            replica = response.headers.get(REPLICA_HEADER.decode())
+            if response.status_code != 404 or not replica or replica in asked:
+                return response
+            asked.append(replica)
+            await _discard(response)
+        return response
+
+    async def _forward(self, request: Request, body: bytes, exclude_replicas: list[str] | None = None) -> Response:
+        forwarded = ForwardedRequest(method=request.method, path=_engine_path(request),
                                      query_string=request.scope.get("query_string", b""),
                                      headers=list(request.scope.get("headers", [])), body=body,
-                                     prefix_digests=digests_for(request.method, body))
+                                     prefix_digests=digests_for(request.method, body),
+                                     exclude_replicas=list(exclude_replicas or []))
         try:
             stream, start = await self._first_message(forwarded)
         except RuntimeError as exc:

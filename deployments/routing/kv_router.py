@@ -16,6 +16,7 @@ to the coolest one instead of a fixed imbalance threshold.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
@@ -27,6 +28,18 @@ logger = logging.getLogger("ray.serve")
 
 # Digests remembered per replica from this router's own sends (the published set catches up).
 LOCAL_DIGEST_CAPACITY = 2048
+# Seconds a replica that failed a call as unavailable is tried only after every other one.
+UNAVAILABLE_PENALTY_S = 30.0
+
+
+def excluded_replicas(pending_request: PendingRequest | None) -> set[str]:
+    if pending_request is None:
+        return set()
+    for arg in pending_request.args:
+        excluded = getattr(arg, "exclude_replicas", None)
+        if isinstance(excluded, list):
+            return set(excluded)
+    return set()
 
 
 def request_digests(pending_request: PendingRequest | None) -> list[int]:
@@ -45,6 +58,9 @@ class KVAwareRouter(RequestRouter):
         # Per replica id string: digests sent by this router, requests in flight.
         self._sent: dict[str, PrefixDigestMemory] = {}
         self._in_flight: dict[str, int] = {}
+        # Per replica id string: when a call to it last failed as unavailable (ranked last for
+        # UNAVAILABLE_PENALTY_S: its stale stats may make a dead replica look idle).
+        self._unavailable_since: dict[str, float] = {}
         # Per replica id string: (the published stats dict, its digests as a frozenset), so the
         # set is rebuilt once per stats period, not per request.
         self._published: dict[str, tuple[int, frozenset[int]]] = {}
@@ -69,8 +85,16 @@ class KVAwareRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        excluded = excluded_replicas(pending_request)
+        if excluded:
+            # Never an empty choice (Serve would retry it forever): all excluded = all allowed.
+            candidate_replicas = [r for r in candidate_replicas
+                                  if r.replica_id.unique_id not in excluded] or candidate_replicas
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         ranked = rank_replicas(request_digests(pending_request), [self._view(r) for r in candidate_replicas])
+        now = time.monotonic()
+        suspect = {k for k, t in self._unavailable_since.items() if now - t < UNAVAILABLE_PENALTY_S}
+        ranked = [r for r in ranked if r not in suspect] + [r for r in ranked if r in suspect]
         # One replica per rank: Serve tries them in this order (a rank's lowest queue wins).
         return [[by_id[replica_id]] for replica_id in ranked]
 
@@ -87,7 +111,12 @@ class KVAwareRouter(RequestRouter):
         if self._in_flight.get(key, 0) > 0:
             self._in_flight[key] -= 1
 
+    def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_unavailable(replica_id)
+        self._unavailable_since[replica_id.to_full_id_str()] = time.monotonic()
+
     def _forget(self, key: str) -> None:
+        self._unavailable_since.pop(key, None)
         self._sent.pop(key, None)
         self._in_flight.pop(key, None)
         self._published.pop(key, None)
@@ -99,5 +128,6 @@ class KVAwareRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         alive = {r.replica_id.to_full_id_str() for r in replicas}
-        for key in [k for k in {*self._sent, *self._in_flight, *self._published} if k not in alive]:
+        known = {*self._sent, *self._in_flight, *self._published, *self._unavailable_since}
+        for key in [k for k in known if k not in alive]:
             self._forget(key)

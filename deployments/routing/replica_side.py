@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deployments.routing.asgi_forward import ForwardedRequest, run_asgi
+from deployments.routing.asgi_forward import ACCEPTED, ForwardedRequest, run_asgi
 from deployments.routing.prefix_digest import CHUNK_CHARS
 
 # Digests remembered when the KV size is unknown.
@@ -29,6 +29,27 @@ def _replica_id() -> str:
     from ray import serve
 
     return serve.get_replica_context().replica_id.unique_id
+
+
+class ReplicaHeaderMiddleware:
+    """Adds `x-tpserve-replica: <replica id>` to every HTTP response (a plain ASGI wrapper:
+    nothing buffered, streams pass through)."""
+
+    def __init__(self, app: Any, replica: bytes) -> None:
+        self.app = app
+        self.replica = replica
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_tagged(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, self.replica)]}
+            await send(message)
+
+        await self.app(scope, receive, send_tagged)
 
 
 class PrefixDigestMemory:
@@ -77,13 +98,16 @@ class ScaleOutReplica:
 
     async def forward_http(self, request: ForwardedRequest) -> AsyncIterator[dict[str, Any]]:
         """A request from the routing ingress, run through this replica's own HTTP app."""
+        yield {"type": ACCEPTED}
         self._digest_memory().add(request.prefix_digests)
-        replica = _replica_id().encode()
         async for message in run_asgi(self.api, request):
-            if message["type"] == "http.response.start":
-                # Which replica served it: the client only ever sees the routing ingress.
-                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER, replica)]}
             yield message
+
+    def name_replica_in_responses(self, app: Any) -> Any:
+        """Every response of `app` names this replica: /metrics says which replica it describes,
+        and clients behind the routing ingress see who served them."""
+        app.add_middleware(ReplicaHeaderMiddleware, replica=_replica_id().encode())
+        return app
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve every stats period and handed to every router of this deployment."""
