@@ -39,10 +39,13 @@ CASES = {
     "repetition_down": SP(temperature=1.0, repetition_penalty=0.6),
     "frequency_presence": SP(temperature=1.0, frequency_penalty=1.5, presence_penalty=-0.7),
     "logit_bias": SP(temperature=1.0, logit_bias={17: 5.0, 300: -100.0, 9: 100.0}),
+    "bias_after_penalties": SP(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.5,
+                               logit_bias={17: 3.0, 25: -2.0, 42: 1.0}),
     "min_tokens": SP(temperature=1.0, min_tokens=10),
-    "min_tokens_met": SP(temperature=1.0, min_tokens=3),
+    "min_tokens_last_masked_step": SP(temperature=1.0, min_tokens=7),  # 6 outputs so far
+    "min_tokens_met": SP(temperature=1.0, min_tokens=6),
     "everything": SP(temperature=0.9, top_k=40, top_p=0.8, min_p=0.01, repetition_penalty=1.2,
-                     frequency_penalty=0.4, presence_penalty=0.3, logit_bias={25: 2.0}, min_tokens=8),
+                     frequency_penalty=0.4, presence_penalty=0.3, logit_bias={25: 6.0}, min_tokens=8),
 }
 
 
@@ -56,6 +59,11 @@ def assert_same_distribution(ours: torch.Tensor, ref: torch.Tensor, name: str) -
     assert torch.equal(ours > 0, ref > 0), f"{name}: kept tokens differ: ours {int((ours > 0).sum())}, " \
                                             f"HF {int((ref > 0).sum())}"
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    # Unlikely tokens too: their log-probabilities (an absolute tolerance on probabilities alone
+    # would let a rule that only moves the tail pass).
+    kept = ref > 0
+    torch.testing.assert_close(ours[kept].log(), ref[kept].log(), atol=1e-3, rtol=0,
+                               msg=lambda m: f"{name} (log-probabilities): {m}")
 
 
 @pytest.fixture(scope="module")
