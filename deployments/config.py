@@ -18,7 +18,8 @@ class ConfigError(ValueError):
 class TpserveConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    # Path to a local HF folder (LlamaForCausalLM + safetensors); None = embedded SmolLM2 default.
+    # Path to a local HF folder (a supported architecture, see workers/model_config.py, + safetensors);
+    # None = embedded SmolLM2 default.
     model: str | None = None
     # Name clients use in the `model` field; defaults to the folder name of `model`.
     served_model_name: str | None = None
