@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tpserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-cluster bench bench-offline bench-serve bench-tp model gpu-prepare clean
+.PHONY: install serve test test-cluster prometheus bench bench-offline bench-serve bench-tp model gpu-prepare clean
 
 install: $(STAMP) model
 
@@ -30,8 +30,13 @@ test: install
 
 # Scale-out tests on a real two-node Ray cluster started on this machine (tests/cluster_nodes.py),
 # in their own pytest process (the test driver connects to that cluster).
-test-cluster: install
+test-cluster: install prometheus
 	$(PY) -m pytest -q -ra -m cluster $(PYTEST_ARGS)
+
+# Debian's Prometheus for tests/test_cluster_prometheus.py (which skips, saying so, without it).
+prometheus:
+	@command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus) || echo "prometheus not installed"
 
 bench: install bench-offline bench-serve bench-tp
 
