@@ -114,3 +114,19 @@ def test_skip_special_tokens_as_transformers(skip):
     expected = tok.decode(ids, skip_special_tokens=skip)
     assert "".join(chunks) == detok.text == expected
     assert ("<|im_end|>" in expected) is not skip
+
+
+def test_a_stop_string_completed_by_the_first_character_of_a_new_token():
+    """The longest stop string, all but its last character already released-or-held: the search
+    must start exactly len(stop) - 1 characters back (one later misses it)."""
+    tok = tokenizer()
+    text = TEXTS["accented"]
+    ids = tok.encode(text)
+    pieces = [tok.decode([i]) for i in ids]
+    k = next(k for k in range(1, len(pieces) - 1)
+             if len(pieces[k]) >= 3 and pieces[k + 1][:1].strip() and "\ufffd" not in pieces[k] + pieces[k + 1])
+    stop = pieces[k][-3:] + pieces[k + 1][0]
+    start = len(tok.decode(ids[: k + 1])) - 3
+    assert text.index(stop) == start
+    chunks, detok = stream(ids, SamplingParams(stop=(stop,)))
+    assert detok.stopped_by_string and "".join(chunks) == detok.text == text[:start]
