@@ -46,6 +46,7 @@ def test_read_from_folder_auto_and_ignore(tmp_path):
     assert read_generation_defaults(tmp_path) == GenerationDefaults()  # no file: no defaults
     (tmp_path / "generation_config.json").write_text(json.dumps(QWEN25))
     assert read_generation_defaults(tmp_path, "auto").temperature == 0.7
-    assert read_generation_defaults(tmp_path, "ignore") == GenerationDefaults()
+    # "ignore" drops the sampling defaults, not the EOS ids (where the model's turns end).
+    assert read_generation_defaults(tmp_path, "ignore") == GenerationDefaults(eos_token_ids=(151645, 151643))
     with pytest.raises(ValueError, match="auto.*ignore"):
         read_generation_defaults(tmp_path, "vllm")

@@ -86,10 +86,15 @@ def parse_generation_config(raw: dict) -> GenerationDefaults:
 
 
 def read_generation_defaults(model_path: str | Path, mode: str = "auto") -> GenerationDefaults:
-    """The model folder's defaults; empty when mode is "ignore" or the file is absent."""
+    """The model folder's defaults (empty when the file is absent).
+
+    mode "ignore" drops the sampling defaults but keeps the EOS ids: they say where the model's
+    turns end (Llama 3 Instruct's <|eot_id|> is only there), not how to sample.
+    """
     if mode not in ("auto", "ignore"):
         raise ValueError(f"generation_config must be 'auto' or 'ignore', not {mode!r}")
     path = Path(model_path) / GENERATION_CONFIG_FILE
-    if mode == "ignore" or not path.exists():
+    if not path.exists():
         return GenerationDefaults()
-    return parse_generation_config(json.loads(path.read_text()))
+    defaults = parse_generation_config(json.loads(path.read_text()))
+    return GenerationDefaults(eos_token_ids=defaults.eos_token_ids) if mode == "ignore" else defaults
