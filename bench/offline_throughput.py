@@ -19,9 +19,7 @@ import torch
 
 from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine
-from deployments.engine.engine_metrics import EngineMetrics
-from metrics.logging_logger import LoggingStatLogger
-from metrics.prometheus_logger import PrometheusStatLogger
+from deployments.engine.engine_metrics import EngineMetrics, make_stat_loggers
 from scheduler.sampling_params import SamplingParams
 
 
@@ -114,10 +112,8 @@ def main() -> None:
               "torch_threads": torch.get_num_threads(), "dtype": args.dtype}
     result["tpserve"] = run_engine(engine, workload, None)
     if not args.skip_metrics_cost:
-        metrics = EngineMetrics(
-            [PrometheusStatLogger("bench", args.max_num_batched_tokens, engine.max_model_len),
-             LoggingStatLogger(5.0, __import__("logging").getLogger("bench"))],
-            timeline_capacity=1000, frontend_finalizes=False)
+        metrics = EngineMetrics(make_stat_loggers("bench", config, engine.max_model_len),
+                                timeline_capacity=1000, frontend_finalizes=False)
         with_metrics = run_engine(engine, workload, metrics)
         result["tpserve_with_metrics"] = with_metrics
         result["metrics_cost_fraction"] = round(

@@ -15,10 +15,13 @@ counted the same way as one finished inside a step, and never twice.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 from metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+_log = logging.getLogger("tpserve")
 
 
 class StatLogger(ABC):
@@ -40,24 +43,42 @@ class StatLogger(ABC):
 
 
 class StatLoggerFanout(StatLogger):
-    """Forwards every call to each of `loggers`, in order."""
+    """Forwards every call to each of `loggers`, in order.
 
-    def __init__(self, loggers: Iterable[StatLogger]):
+    With `isolate_errors`, a logger that raises is logged (once per logger and method, so a
+    broken exporter does not flood the log) and the call goes on to the next logger: the engine
+    calls this from its step loop, and metrics must never stop it.
+    """
+
+    def __init__(self, loggers: Iterable[StatLogger], isolate_errors: bool = False):
         # The loggers that receive every call.
         self.loggers: list[StatLogger] = list(loggers)
+        # Swallow (and log) a logger's exception instead of raising it.
+        self.isolate_errors = isolate_errors
+        # (logger index, method) pairs whose failure was already logged.
+        self._reported: set[tuple[int, str]] = set()
+
+    def _call(self, method: str, arg) -> None:
+        for index, stat_logger in enumerate(self.loggers):
+            if not self.isolate_errors:
+                getattr(stat_logger, method)(arg)
+                continue
+            try:
+                getattr(stat_logger, method)(arg)
+            except Exception:  # noqa: BLE001 - see the class docstring
+                if (index, method) not in self._reported:
+                    self._reported.add((index, method))
+                    _log.exception("stat logger %s failed in %s (further failures not logged)",
+                                   type(stat_logger).__name__, method)
 
     def record(self, iteration: IterationStats) -> None:
-        for logger in self.loggers:
-            logger.record(iteration)
+        self._call("record", iteration)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
-        for logger in self.loggers:
-            logger.record_finished(stats)
+        self._call("record_finished", stats)
 
     def log_cache_config(self, info: dict[str, str]) -> None:
-        for logger in self.loggers:
-            logger.log_cache_config(info)
+        self._call("log_cache_config", info)
 
     def record_state(self, scheduler: SchedulerStats) -> None:
-        for logger in self.loggers:
-            logger.record_state(scheduler)
+        self._call("record_state", scheduler)

@@ -70,6 +70,12 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     # The KV cache after this step's allocations.
     kv: KVCacheSnapshot | None = None
+    # Filled by the update after the forward: prompt tokens of requests whose prefill completed
+    # this step (once per request), of those the ones served from the prefix cache at first
+    # admission, and the output tokens the step appended.
+    prompt_tokens_completed: int = 0
+    cached_prompt_tokens_completed: int = 0
+    generation_tokens: int = 0
 
 
 @dataclass

@@ -71,9 +71,6 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     # ---- allocation ---------------------------------------------------------------------
-    def can_allocate(self, num_new_blocks: int) -> bool:
-        return num_new_blocks <= self.pool.num_free_or_cached_blocks
-
     def allocate_slots(
         self,
         request: Request,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 from metrics.events import EventType, RequestEvent, now
 from scheduler.sampling_params import SamplingParams
@@ -37,22 +38,23 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None,
+        eos_token_ids: int | Iterable[int] | None,
         queued_ts: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        # Every id that ends the request as EOS (Llama 3 lists several in generation_config.json).
+        self.eos_token_ids: frozenset[int] = _as_id_set(eos_token_ids)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         # Tokens whose K/V are in the cache (prefix hits included); reset to 0 by preemption.
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache at first admission (reported as cached_tokens).
         self.num_cached_prompt_tokens = 0
-        # Set once the first admission happened (later admissions are resumes).
-        self.was_scheduled = False
         self.num_preemptions = 0
+        # Why the request failed alone (sampling, detokenization, ...): set with FINISHED_ABORTED.
+        self.error: str | None = None
         # Events not yet drained by the engine (take_events) and the full history (timelines).
         self._pending_events: list[RequestEvent] = []
         self.record(EventType.QUEUED, queued_ts)
@@ -85,6 +87,9 @@ class Request:
         """Has the request ever produced a token (decode phase for preemption accounting)."""
         return bool(self.output_token_ids)
 
+    def is_eos(self, token_id: int) -> bool:
+        return token_id in self.eos_token_ids
+
     # ---- events -------------------------------------------------------------------------
     def record(self, event_type: EventType, ts: float | None = None) -> None:
         self._pending_events.append(RequestEvent(event_type, now() if ts is None else ts))
@@ -98,3 +103,11 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.value}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens})"
         )
+
+
+def _as_id_set(ids: int | Iterable[int] | None) -> frozenset[int]:
+    if ids is None:
+        return frozenset()
+    if isinstance(ids, int):
+        return frozenset((ids,))
+    return frozenset(ids)

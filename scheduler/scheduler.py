@@ -104,13 +104,20 @@ class Scheduler:
 
     # ---- scheduling ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        stats = self._stats = SchedulerStats()
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted_any = False
+        self._stats = SchedulerStats()
+        output = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget, preempted_any = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not preempted_any:  # admitting while evicting would thrash
+            self._schedule_waiting(output, budget)
+        output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+        self._stats.num_batch_requests = len(output.num_scheduled_tokens)
+        return output
 
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Running requests first, in admission order, preempting the newest when the cache is
+        full. Returns the budget left and whether anything was preempted."""
+        preempted_any = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -125,19 +132,14 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(request, num_new)
             if new_block_ids is None:
                 break  # the request itself was preempted; everything after it is gone too
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            self._count_tokens(request, num_new)
-            cached_reqs.append(self._cached_request_data(request, new_block_ids, resumed=False))
+            budget -= self._schedule_tokens(output, request, num_new)
+            output.scheduled_cached_reqs.append(self._cached_request_data(request, new_block_ids, resumed=False))
             index += 1
+        return budget, preempted_any
 
-        # Admitting while evicting would thrash: a step that preempted admits nothing.
-        while (
-            not preempted_any
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Waiting requests in FCFS order while budget, sequence slots and blocks last."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_hit_tokens
@@ -148,30 +150,21 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(request, num_hit_tokens)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            self._count_tokens(request, num_new)
+            budget -= self._schedule_tokens(output, request, num_new)
             if request.request_id in self._num_tokens_sent:
-                cached_reqs.append(self._cached_request_data(request, None, resumed=True))
+                output.scheduled_cached_reqs.append(self._cached_request_data(request, None, resumed=True))
             else:
-                new_reqs.append(self._new_request_data(request))
+                output.scheduled_new_reqs.append(self._new_request_data(request))
 
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_ids,
-        )
-        self._finished_ids = set()
-        stats.num_batch_requests = len(num_scheduled)
-        return output
+    def _schedule_tokens(self, output: SchedulerOutput, request: Request, num_new: int) -> int:
+        output.num_scheduled_tokens[request.request_id] = num_new
+        self._count_tokens(request, num_new)
+        return num_new
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         self._record_prefix_lookup(request, num_hit_tokens)
-        if not request.was_scheduled:
+        if request.status == RequestStatus.WAITING:  # first admission (a resume is PREEMPTED)
             request.num_cached_prompt_tokens = num_hit_tokens
-            request.was_scheduled = True
         request.status = RequestStatus.RUNNING
         request.record(EventType.SCHEDULED)
         self.running.append(request)
@@ -235,7 +228,7 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
-        """Advance computed counts, append sampled tokens, finish requests that stop."""
+        """Advance computed counts, append sampled tokens, finish requests that stop or failed."""
         updates: list[RequestUpdate] = []
         step_ts = now()  # one NEW_TOKENS timestamp shared by every request of the step
         finished: list[tuple[Request, RequestStatus]] = []
@@ -245,27 +238,45 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens
             self.kv.on_tokens_computed(request)
-            sampled = runner_output.sampled_token_ids.get(request_id)
-            if not sampled:
+            error = runner_output.request_errors.get(request_id)
+            if error is not None:
+                # Sampling failed for this row alone (non-finite logits, ...): it ends, the rest go on.
+                request.error = error
                 updates.append(RequestUpdate(request))
+                finished.append((request, RequestStatus.FINISHED_ABORTED))
                 continue
-            logprobs = runner_output.logprobs.get(request_id)
-            accepted: list[int] = []
-            status = None
-            for token_id in sampled:
-                request.output_token_ids.append(token_id)
-                accepted.append(token_id)
-                status = check_stop(request, self.config.max_model_len)
-                if status is not None:
-                    break
-            request.record(EventType.NEW_TOKENS, step_ts)
-            updates.append(RequestUpdate(request, accepted, logprobs[: len(accepted)] if logprobs else None))
+            update, status = self._append_sampled(request, runner_output, step_ts)
+            updates.append(update)
             if status is not None:
                 finished.append((request, status))
         for request, status in finished:
             self.running.remove(request)
             self._finish(request, status)
         return updates
+
+    def _append_sampled(
+        self, request: Request, runner_output: ModelRunnerOutput, step_ts: float
+    ) -> tuple[RequestUpdate, RequestStatus | None]:
+        """Append this step's sampled tokens up to the first that stops the request."""
+        sampled = runner_output.sampled_token_ids.get(request.request_id)
+        if not sampled:
+            return RequestUpdate(request), None  # a partial prefill chunk
+        accepted: list[int] = []
+        status = None
+        for token_id in sampled:
+            request.output_token_ids.append(token_id)
+            accepted.append(token_id)
+            status = check_stop(request, self.config.max_model_len)
+            if status is not None:
+                break
+        request.record(EventType.NEW_TOKENS, step_ts)
+        self._stats.generation_tokens += len(accepted)
+        if request.num_output_tokens == len(accepted):
+            # Its first tokens: the prompt's prefill completed this step (once per request).
+            self._stats.prompt_tokens_completed += request.num_prompt_tokens
+            self._stats.cached_prompt_tokens_completed += request.num_cached_prompt_tokens
+        logprobs = runner_output.logprobs.get(request.request_id)
+        return RequestUpdate(request, accepted, logprobs[: len(accepted)] if logprobs else None), status
 
     # ---- stats --------------------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:

@@ -10,7 +10,7 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     last = request.output_token_ids[-1]
     num_output = request.num_output_tokens
     if num_output >= params.min_tokens:
-        if not params.ignore_eos and last == request.eos_token_id:
+        if not params.ignore_eos and request.is_eos(last):
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

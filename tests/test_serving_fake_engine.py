@@ -62,6 +62,8 @@ class FakeEngine:
         self.first_token_sent: list[str] = []
         self.responded: list[str] = []
         self.healthy = True
+        # The HTTP layer reads metrics from `engine.metrics`; this fake plays both.
+        self.metrics = self
 
     async def start(self) -> None: ...
 

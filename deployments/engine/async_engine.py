@@ -1,8 +1,11 @@
-"""The replica's engine loop: an asyncio task that schedules, executes, updates and emits.
+"""The replica's engine loop: an asyncio task that applies new requests and aborts, runs a step
+on the step thread, and hands each request its outputs.
 
 Model execution runs on one dedicated thread so the event loop (HTTP, /health) never blocks.
 Requests and aborts arriving from HTTP handlers are queued and applied between steps, on the
-event loop, so the scheduler is only ever touched by one thread at a time.
+event loop, so the scheduler is only ever touched by one thread at a time. Each request's
+outputs wait in a `RequestStream` that merges what its consumer has not read yet: a client
+slower than the engine gets one output per read, not a backlog of one per token.
 """
 
 from __future__ import annotations
@@ -10,49 +13,66 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import sys
 from collections.abc import AsyncIterator
 
 from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine
-from deployments.engine.engine_metrics import EngineMetrics
+from deployments.engine.engine_metrics import EngineMetrics, make_stat_loggers
 from deployments.engine.exceptions import EngineDeadError, EngineOverloadedError
 from deployments.engine.outputs import RequestOutput
-from metrics.events import EventType
-from metrics.logging_logger import LoggingStatLogger
-from metrics.prometheus_logger import PrometheusStatLogger
+from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("tpserve")
 
-
-_GIL_SWITCH_INTERVAL_S = 0.0005
 # While idle, gauges are set again this often (Ray's export drops gauges left unset).
 _IDLE_GAUGE_REFRESH_S = 5.0
 
 
+class RequestStream:
+    """The outputs of one request its consumer has not read yet, merged into one (vLLM's
+    RequestOutputCollector)."""
+
+    __slots__ = ("_pending", "_ready")
+
+    def __init__(self) -> None:
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        if self._pending is None:
+            self._pending = out
+            self._ready.set()
+        else:
+            self._pending.merge(out)
+
+    async def get(self) -> RequestOutput:
+        if self._pending is None:
+            await self._ready.wait()
+        out, self._pending = self._pending, None
+        self._ready.clear()
+        assert out is not None
+        return out
+
+
 class AsyncEngine:
+    """The loop around one LLMEngine; the HTTP layer reads `metrics` directly."""
+
     def __init__(self, config: TpserveConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
-        # The step thread dispatches hundreds of torch ops per step, each needing the GIL back
-        # from the event loop (HTTP, SSE): with Python's default 5 ms switch interval it waits
-        # behind the loop; 0.5 ms keeps the forward moving while many streams are open.
-        sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
         self.engine = engine or LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.served_model_name
         self.max_model_len = self.engine.max_model_len
-        self.prometheus = PrometheusStatLogger(
-            self.model_name, config.max_num_batched_tokens, self.max_model_len
+        self.admission_limits = self.engine.admission_limits
+        self.vocab_size = self.engine.model_config.vocab_size
+        self.metrics = EngineMetrics(
+            make_stat_loggers(self.model_name, config, self.max_model_len), config.timeline_capacity,
+            frontend_finalizes=True, request_metrics_default=config.request_metrics,
         )
-        loggers = [self.prometheus, LoggingStatLogger(config.log_stats_interval_s, logger)]
-        ray_logger = _make_ray_logger(self.model_name, config, self.max_model_len)
-        if ray_logger is not None:
-            loggers.append(ray_logger)
-        self.metrics = EngineMetrics(loggers, config.timeline_capacity, frontend_finalizes=True)
         self.metrics.log_startup(self.engine)
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, float]] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_adds: list[tuple[Request, float]] = []
         self._pending_aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -85,70 +105,34 @@ class AsyncEngine:
     # ---- requests -----------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        arrival_ts: float) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes. Admission errors raise before the first one."""
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
-        self.engine.validate_request(len(prompt_token_ids), params)
         if self.num_waiting_requests >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the server has {self.num_waiting_requests} requests waiting "
                 f"(max_waiting_requests={self.config.max_waiting_requests})"
             )
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        request = self.engine.make_request(request_id, prompt_token_ids, params)
         await self.start()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._pending_adds.append((request_id, list(prompt_token_ids), params, arrival_ts))
+        stream = self._streams[request_id] = RequestStream()
+        self._pending_adds.append((request, arrival_ts))
         self._wakeup.set()
         finished = False
         try:
-            while True:
-                out = await queue.get()
+            while not finished:
+                out = await stream.get()
                 finished = out.finished
                 yield out
-                if finished:
-                    return
         finally:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
                 # The consumer went away (client disconnect, cancellation): abort next step.
                 self._pending_aborts.append(request_id)
                 if self._wakeup is not None:
                     self._wakeup.set()
-
-    async def abort(self, request_id: str) -> None:
-        self._pending_aborts.append(request_id)
-        if self._wakeup is not None:
-            self._wakeup.set()
-
-    # ---- frontend events ----------------------------------------------------------------
-    def _engine_ids(self, request_id: str) -> list[str]:
-        """An OpenAI request with n > 1 has engine requests '{id}-{i}'; accept either form."""
-        return self.metrics.known_ids(request_id)
-
-    def mark_first_token_sent(self, request_id: str) -> None:
-        for rid in self._engine_ids(request_id):
-            self.metrics.add_frontend_event(rid, EventType.FIRST_TOKEN_SENT)
-
-    def mark_responded(self, request_id: str) -> None:
-        for rid in self._engine_ids(request_id):
-            self.metrics.add_frontend_event(rid, EventType.RESPONDED)
-            self.metrics.finalize(rid)
-
-    def wants_request_metrics(self, flag_from_body: bool) -> bool:
-        return self.config.request_metrics or bool(flag_from_body)
-
-    def request_metrics(self, request_id: str) -> dict | None:
-        return self.metrics.request_metrics(request_id)
-
-    def render_metrics(self) -> bytes:
-        return self.prometheus.render()
-
-    def get_timeline(self, request_id: str, fmt: str = "json"):
-        entry = self.metrics.timelines.get(request_id)
-        if entry is None:
-            return None
-        return entry.to_svg() if fmt == "svg" else entry.to_json()
 
     # ---- introspection ------------------------------------------------------------------
     @property
@@ -167,12 +151,12 @@ class AsyncEngine:
     def _apply_pending(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         adds, self._pending_adds = self._pending_adds, []
-        for request_id, prompt_ids, params, arrival_ts in adds:
-            self.metrics.on_request_added(request_id, arrival_ts)
+        for request, arrival_ts in adds:
+            self.metrics.on_request_added(request.request_id, arrival_ts)
             try:
-                self.engine.add_request(request_id, prompt_ids, params)
+                self.engine.add(request)
             except ValueError as exc:
-                outputs.append(_error_output(request_id, len(prompt_ids), str(exc)))
+                outputs.append(_error_output(request.request_id, request.num_prompt_tokens, str(exc)))
         aborts, self._pending_aborts = self._pending_aborts, []
         if aborts:
             outputs.extend(self.engine.abort_requests(aborts))
@@ -180,9 +164,9 @@ class AsyncEngine:
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -218,8 +202,8 @@ class AsyncEngine:
 
     def _fail_all(self, reason: str) -> None:
         self._dead_reason = reason
-        for request_id, queue in list(self._queues.items()):
-            queue.put_nowait(_error_output(request_id, 0, reason))
+        for request_id, stream in list(self._streams.items()):
+            stream.put(_error_output(request_id, 0, reason))
 
 
 def _error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
@@ -228,18 +212,3 @@ def _error_output(request_id: str, num_prompt_tokens: int, message: str) -> Requ
         finish_reason="abort", num_prompt_tokens=num_prompt_tokens, num_output_tokens=0,
         num_cached_tokens=0, error=message,
     )
-
-
-def _make_ray_logger(model_name: str, config: TpserveConfig, max_model_len: int):
-    """Ray metrics when running inside Ray (a Serve replica); None in plain processes."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return None
-        from metrics.ray_logger import RayStatLogger
-
-        return RayStatLogger(model_name, config.max_num_batched_tokens, max_model_len)
-    except Exception:  # noqa: BLE001 - metrics export must never stop the server
-        logger.warning("Ray metrics export disabled", exc_info=True)
-        return None

@@ -1,41 +1,30 @@
-"""The engine: scheduler + executor + detokenizers, driven one step at a time.
+"""The engine: scheduler + executor + output processor, driven one step at a time.
 
-`step()` = schedule -> execute -> update -> outputs. The server's async loop and the offline
-benchmarks both drive this object; it has no notion of HTTP or asyncio.
+`step()` = schedule -> execute -> update -> make outputs. The server's async loop and the
+offline benchmarks both drive this object; it has no notion of HTTP or asyncio.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from deployments.config import TpserveConfig
-from deployments.engine.detokenizer import IncrementalDetokenizer
-from deployments.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from deployments.engine.admission import AdmissionLimits, check_admission
+from deployments.engine.output_processor import OutputProcessor
+from deployments.engine.outputs import RequestOutput
 from metrics.stats import IterationStats
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import SampledLogprobs
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from workers.executor import Executor
+from workers.generation_defaults import read_generation_defaults
 from workers.model_config import ModelConfig
 from workers.runtime import make_executor, resolve_dtype, set_cpu_threads, worker_device
 from workers.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineRequestState:
-    """Engine-side bookkeeping of one request that the scheduler does not need.
-
-    (Event histories live in deployments.engine.engine_metrics, which sees every RequestOutput.)
-    """
-
-    # Incremental detokenizer.
-    detokenizer: IncrementalDetokenizer
 
 
 def resolve_model_path(config: TpserveConfig) -> str:
@@ -60,6 +49,15 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
         max_num_seqs=config.max_num_seqs,
         max_cuda_graph_batch_size=config.max_cuda_graph_batch_size,
     )
+
+
+def read_eos_token_ids(model_path: str, config_ids: tuple[int, ...], tokenizer) -> tuple[int, ...]:
+    """Every id that ends generation: generation_config.json's `eos_token_id` (an int or, as in
+    Llama 3, a list) together with config.json's; the tokenizer's EOS when neither names one."""
+    ids = [*config_ids, *read_generation_defaults(model_path, "ignore").eos_token_ids]
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
 
 
 class LLMEngine:
@@ -99,40 +97,37 @@ class LLMEngine:
             sliding_window=self.model_config.kv_sliding_window,
         )
         self.scheduler = Scheduler(self.scheduler_config)
-        self.eos_token_id = self.model_config.eos_token_id
-        if self.eos_token_id is None:
-            self.eos_token_id = self.tokenizer.eos_token_id
-        self._states: dict[str, EngineRequestState] = {}
+        # What bounds one request here (the HTTP layer checks against the same object).
+        self.admission_limits = AdmissionLimits(self.max_model_len, (num_blocks - 1) * config.block_size)
+        self.eos_token_ids = read_eos_token_ids(model_path, self.model_config.eos_token_ids, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
         # The last step's stats (stat loggers read it; tests too).
         self.last_iteration: IterationStats | None = None
 
     # ---- requests -----------------------------------------------------------------------
-    def validate_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise ValueError for requests that can never fit (stated with both numbers)."""
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
-        if num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"has {num_prompt_tokens} prompt tokens and asks for {params.max_tokens} more "
-                f"({num_prompt_tokens + params.max_tokens} in total)"
-            )
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     queued_ts: float | None = None) -> Request:
+        """The admission check (AdmissionError), then the scheduler's Request. Touches no engine
+        state, so the server calls it on its event loop while a step runs."""
+        check_admission(len(prompt_token_ids), params.max_tokens, self.admission_limits)
+        return Request(request_id, prompt_token_ids, params, self.eos_token_ids, queued_ts)
+
+    def add(self, request: Request) -> None:
+        """Queue a request from `make_request` (between steps)."""
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     queued_ts: float | None = None) -> None:
-        if request_id in self._states:
+        """Offline entry point: check, make and queue a request."""
+        if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate_request(len(prompt_token_ids), params)
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_id, queued_ts)
-        self.scheduler.add_request(request)
-        self._states[request_id] = EngineRequestState(
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        )
+        self.add(self.make_request(request_id, prompt_token_ids, params, queued_ts))
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         """End requests now (client gone, error); returns their final outputs."""
         ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [self._make_output(r, [], None) for r in ended]
+        return [self.output_processor.make_output(r, [], None) for r in ended]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -151,66 +146,17 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs: list[RequestOutput] = []
-        stopped_by_string = []  # updates whose text hit a stop string
-        num_prompt_done = 0
-        num_generated = 0
-        num_cached_new = 0
-        for update in updates:
-            request = update.request
-            if update.new_token_ids:
-                num_generated += len(update.new_token_ids)
-                if request.num_output_tokens == len(update.new_token_ids):
-                    # First tokens of this request: its prefill completed this step.
-                    num_prompt_done += request.num_prompt_tokens
-                    num_cached_new += request.num_cached_prompt_tokens
-            state = self._states[request.request_id]
-            state.detokenizer.add_tokens(update.new_token_ids)
-            if state.detokenizer.stopped_by_string and not request.status.is_finished:
-                stopped_by_string.append(update)
-                continue
-            outputs.append(self._make_output(request, update.new_token_ids, update.new_logprobs))
-        for update in stopped_by_string:
-            request = update.request
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            outputs.append(self._make_output(request, update.new_token_ids, update.new_logprobs))
+        outputs = self.output_processor.process(updates)
+        stats = self.scheduler.make_stats()
         self.last_iteration = IterationStats(
-            scheduler=self.scheduler.make_stats(),
+            scheduler=stats,
             step_duration=time.perf_counter() - step_start,
             forward_duration=runner_output.forward_time,
-            num_prompt_tokens=num_prompt_done,
-            num_prompt_tokens_cached=num_cached_new,
-            num_generation_tokens=num_generated,
+            num_prompt_tokens=stats.prompt_tokens_completed,
+            num_prompt_tokens_cached=stats.cached_prompt_tokens_completed,
+            num_generation_tokens=stats.generation_tokens,
         )
         return outputs
-
-    def _make_output(self, request: Request, new_token_ids: list[int],
-                     new_logprobs: list[SampledLogprobs] | None) -> RequestOutput:
-        finished = request.status.is_finished
-        state = self._states[request.request_id] if not finished else self._states.pop(request.request_id)
-        new_events = request.take_events()
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=list(new_token_ids),
-            new_text=state.detokenizer.take_new_text(finished),
-            new_logprobs=self._convert_logprobs(new_logprobs),
-            finished=finished,
-            finish_reason=request.status.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_prompt_tokens,
-            new_events=new_events,
-        )
-
-    def _convert_logprobs(self, logprobs: list[SampledLogprobs] | None) -> list[PositionLogprobs] | None:
-        if not logprobs:
-            return None
-        result = []
-        for lp in logprobs:
-            sampled_id, sampled_lp = lp.sampled
-            top = [TokenLogprob(tid, self.tokenizer.decode([tid]), val) for tid, val in lp.top]
-            result.append(PositionLogprobs(TokenLogprob(sampled_id, self.tokenizer.decode([sampled_id]), sampled_lp), top))
-        return result
 
     # ---- introspection (tests, health) ---------------------------------------------------
     @property
@@ -219,4 +165,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-

@@ -1,9 +1,11 @@
 """Where the engine's outputs meet the metrics package: per-request event histories, step stats,
-finished-request stats, timelines, startup lines.
+finished-request stats, timelines, startup lines, and what the HTTP layer asks of metrics.
 
-The server calls `add_frontend_event` for ARRIVED / FIRST_TOKEN_SENT / RESPONDED and
-`finalize` once the response is out (e2e needs RESPONDED). Offline use (no frontend) finalizes
-at FINISHED.
+The HTTP layer holds this object directly: `mark_first_token_sent` / `mark_responded` add the
+frontend events (RESPONDED finalizes: e2e needs it), `request_metrics` builds a response's
+`metrics` object, `render_metrics` / `get_timeline` serve /metrics and the timelines. Offline
+use (no frontend) finalizes at FINISHED. Stat loggers are called through one fanout that logs
+and swallows their exceptions: metrics can never stop the engine.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from deployments.engine.outputs import RequestOutput
+from deployments.config import TpserveConfig
 from metrics.events import EventType, RequestEvent, now
 from metrics.intervals import compute_intervals, make_finished_stats
 from metrics.startup import (
@@ -21,7 +24,9 @@ from metrics.startup import (
     format_max_concurrency,
     format_weights_loaded,
 )
-from metrics.stat_logger import StatLogger
+from metrics.logging_logger import LoggingStatLogger
+from metrics.prometheus_logger import PrometheusStatLogger
+from metrics.stat_logger import StatLogger, StatLoggerFanout
 from metrics.stats import IterationStats
 from metrics.timeline import TimelineStore
 
@@ -46,9 +51,33 @@ class RequestRecord:
     responded: bool = False
 
 
+def make_stat_loggers(model_name: str, config: TpserveConfig, max_model_len: int) -> list[StatLogger]:
+    """The stat loggers of a replica or a benchmark: Prometheus (GET /metrics), the progress
+    line, and Ray's metrics when running inside Ray."""
+    loggers: list[StatLogger] = [
+        PrometheusStatLogger(model_name, config.max_num_batched_tokens, max_model_len),
+        LoggingStatLogger(config.log_stats_interval_s, logger),
+    ]
+    try:
+        import ray
+
+        if ray.is_initialized():
+            from metrics.ray_logger import RayStatLogger
+
+            loggers.append(RayStatLogger(model_name, config.max_num_batched_tokens, max_model_len))
+    except Exception:  # noqa: BLE001 - metrics export must never stop the server
+        logger.warning("Ray metrics export disabled", exc_info=True)
+    return loggers
+
+
 class EngineMetrics:
-    def __init__(self, loggers: list[StatLogger], timeline_capacity: int, frontend_finalizes: bool) -> None:
+    def __init__(self, loggers: list[StatLogger], timeline_capacity: int, frontend_finalizes: bool,
+                 request_metrics_default: bool = False) -> None:
         self.loggers = loggers
+        # Every logger call goes through it; a logger that raises is logged, never propagated.
+        self._fanout = StatLoggerFanout(loggers, isolate_errors=True)
+        # Attach the `metrics` object to every response (the server's request_metrics setting).
+        self.request_metrics_default = request_metrics_default
         self.timelines = TimelineStore(timeline_capacity)
         # True in the server: finished stats wait for RESPONDED from the HTTP layer.
         self.frontend_finalizes = frontend_finalizes
@@ -82,10 +111,8 @@ class EngineMetrics:
         idle replica would otherwise vanish from the Ray-side KV and queue series."""
         if self._scheduler is None:
             return
-        state = self._scheduler.state_stats()
-        for stat_logger in self.loggers:
-            stat_logger.log_cache_config(self._cache_config_info)
-            stat_logger.record_state(state)
+        self._fanout.log_cache_config(self._cache_config_info)
+        self._fanout.record_state(self._scheduler.state_stats())
 
     # ---- per step -----------------------------------------------------------------------
     def on_request_added(self, request_id: str, arrival_ts: float | None) -> None:
@@ -99,12 +126,9 @@ class EngineMetrics:
         the queues with no step to report it (the engine may go idle right after), so the state
         gauges are refreshed from the scheduler of the engine given to `log_startup`."""
         if iteration is not None:
-            for stat_logger in self.loggers:
-                stat_logger.record(iteration)
+            self._fanout.record(iteration)
         elif self._scheduler is not None and any(out.finished for out in outputs):
-            state = self._scheduler.state_stats()
-            for stat_logger in self.loggers:
-                stat_logger.record_state(state)
+            self._fanout.record_state(self._scheduler.state_stats())
         self.on_outputs(outputs)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -145,8 +169,7 @@ class EngineMetrics:
         del self._records[request_id]
         stats = make_finished_stats(record.events, record.finish_reason, record.num_prompt_tokens,
                                     record.num_output_tokens, record.num_cached_tokens)
-        for stat_logger in self.loggers:
-            stat_logger.record_finished(stats)
+        self._fanout.record_finished(stats)
         self.timelines.add(
             request_id,
             record.events,
@@ -160,7 +183,9 @@ class EngineMetrics:
         )
 
     def request_metrics(self, request_id: str) -> dict | None:
-        """The per-request `metrics` object (section-2 intervals in seconds) as of now."""
+        """The per-request `metrics` object (section-2 intervals in seconds) as of now. A response
+        not yet marked RESPONDED is being sent now: its e2e latency ends now, after every event
+        already recorded (FIRST_TOKEN_SENT included), so e2e >= TTFT in the body too."""
         record = self._records.get(request_id)
         if record is None:
             entry = self.timelines.get(request_id)
@@ -169,7 +194,10 @@ class EngineMetrics:
             intervals, cached = entry.intervals, entry.extra.get("cached_prompt_tokens", 0)
             itl = None
         else:
-            intervals = compute_intervals(record.events, record.num_output_tokens)
+            events = record.events
+            if not any(event.type == EventType.RESPONDED for event in events):
+                events = [*events, RequestEvent(EventType.RESPONDED, now())]
+            intervals = compute_intervals(events, record.num_output_tokens)
             cached, itl = record.num_cached_tokens, intervals.itl
         return {
             "queue_time": intervals.queue_time,
@@ -186,9 +214,24 @@ class EngineMetrics:
             "cached_prompt_tokens": cached,
         }
 
-    def known_ids(self, request_id: str) -> list[str]:
-        """`request_id` itself if tracked, else the engine ids '{request_id}-{i}' of its choices."""
-        if request_id in self._records:
-            return [request_id]
-        prefix = request_id + "-"
-        return [rid for rid in self._records if rid.startswith(prefix)]
+    # ---- what the HTTP layer asks -------------------------------------------------------
+    def mark_first_token_sent(self, request_id: str) -> None:
+        self.add_frontend_event(request_id, EventType.FIRST_TOKEN_SENT)
+
+    def mark_responded(self, request_id: str) -> None:
+        self.add_frontend_event(request_id, EventType.RESPONDED)
+        self.finalize(request_id)
+
+    def wants_request_metrics(self, flag_from_body: bool) -> bool:
+        return self.request_metrics_default or bool(flag_from_body)
+
+    def render_metrics(self) -> bytes:
+        """The Prometheus text of GET /metrics (empty without a Prometheus logger)."""
+        prometheus = next((x for x in self.loggers if isinstance(x, PrometheusStatLogger)), None)
+        return prometheus.render() if prometheus is not None else b""
+
+    def get_timeline(self, request_id: str, fmt: str = "json"):
+        entry = self.timelines.get(request_id)
+        if entry is None:
+            return None
+        return entry.to_svg() if fmt == "svg" else entry.to_json()

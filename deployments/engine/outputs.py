@@ -49,3 +49,17 @@ class RequestOutput:
     new_events: list[RequestEvent] = field(default_factory=list)
     # Set when the request ended because of an engine error (finish_reason "abort").
     error: str | None = None
+
+    def merge(self, later: "RequestOutput") -> None:
+        """Fold the next output of the same request into this one (a consumer slower than the
+        engine then reads one output carrying everything since its last read)."""
+        self.new_token_ids.extend(later.new_token_ids)
+        self.new_text += later.new_text
+        if later.new_logprobs:
+            self.new_logprobs = (self.new_logprobs or []) + later.new_logprobs
+        self.new_events.extend(later.new_events)
+        self.finished = later.finished
+        self.finish_reason = later.finish_reason
+        self.num_output_tokens = later.num_output_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+        self.error = later.error

@@ -1,25 +1,28 @@
-"""One engine request per choice, merged into one stream that always cleans up after itself.
+"""One engine request per choice, read as one stream that always cleans up after itself.
 
 A response with n choices over P prompts runs P x n engine requests, `"{id}-{choice index}"`,
-concurrently. `ChoiceStreams` starts them, merges their outputs in arrival order, and guarantees
-that whatever happens to the HTTP request (client gone, error, cancellation), every engine
-request it started is cancelled, which makes `AsyncEngine.generate()` abort it and free its KV
-blocks. Then, and only then, it reports RESPONDED to the engine.
+concurrently. `ChoiceStreams` starts them and yields their outputs in arrival order. A single
+choice (the common case) is read straight from the engine's generator, with no task or queue in
+between; several choices each need a task that forwards into one queue, since one consumer
+cannot await several generators at once. Whatever happens to the HTTP request (client gone,
+error, cancellation), every engine request it started is closed, which makes
+`AsyncEngine.generate()` abort it and free its KV blocks; then, and only then, the engine's
+metrics are told the request was responded to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from deployments.http.errors import APIError, from_engine_exception
 from deployments.engine.outputs import RequestOutput
+from deployments.http.errors import from_engine_exception
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,7 +36,7 @@ class EngineStreamResponse(StreamingResponse):
     the engine generating for nobody until garbage collection. This wrapper does not depend on it.
     """
 
-    def __init__(self, content: AsyncIterator[str], streams: "ChoiceStreams") -> None:
+    def __init__(self, content: AsyncIterator[bytes], streams: "ChoiceStreams") -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._streams = streams
 
@@ -76,48 +79,69 @@ def make_choice_specs(
     return specs
 
 
+# (choice index, output or None, exception or None); None/None = that choice's generator ended.
+_Item = tuple[int, RequestOutput | None, BaseException | None]
+
+
 class ChoiceStreams:
     """Runs one engine request per choice and yields `(choice index, output)` as they come."""
 
     def __init__(self, engine: Any, specs: Sequence[ChoiceSpec], arrival_ts: float) -> None:
         self._engine = engine
         self._specs = list(specs)
-        self._arrival_ts = arrival_ts
-        # (choice index, output or None, exception or None); None/None = that stream ended.
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = (
-            asyncio.Queue()
-        )
+        self._generators: list[AsyncGenerator[RequestOutput, None]] = [
+            engine.generate(spec.request_id, spec.prompt_token_ids, spec.params, arrival_ts)
+            for spec in self._specs
+        ]
+        # Several choices only: one forwarding task per choice into one queue.
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
-        # Items taken from the queue by start() and not yet handed to outputs().
-        self._buffered: list[tuple[int, RequestOutput | None, BaseException | None]] = []
+        # Items read by start() and not yet handed to outputs().
+        self._buffered: list[_Item] = []
         self._first_token_marked: set[int] = set()
+        self._closing: list[asyncio.Task] = []
         self._responded = False
 
-    async def _pump(self, spec: ChoiceSpec) -> None:
+    # ---- reading --------------------------------------------------------------------------
+    async def _next(self) -> _Item:
+        """The next item of any choice: what start() read first, then the engine's."""
+        return self._buffered.pop(0) if self._buffered else await self._read()
+
+    async def _read(self) -> _Item:
+        if len(self._generators) > 1:
+            self._launch()
+            return await self._queue.get()
         try:
-            async for out in self._engine.generate(
-                spec.request_id, spec.prompt_token_ids, spec.params, self._arrival_ts
-            ):
-                self._queue.put_nowait((spec.index, out, None))
+            return 0, await anext(self._generators[0]), None
+        except StopAsyncIteration:
+            return 0, None, None
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # reported to the consumer, which maps it to a response
-            self._queue.put_nowait((spec.index, None, exc))
+            return 0, None, exc
+
+    async def _forward(self, index: int) -> None:
+        try:
+            async for out in self._generators[index]:
+                self._queue.put_nowait((index, out, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._queue.put_nowait((index, None, exc))
             return
-        self._queue.put_nowait((spec.index, None, None))
+        self._queue.put_nowait((index, None, None))
 
     def _launch(self) -> None:
         if not self._tasks:
-            self._tasks = [asyncio.create_task(self._pump(spec)) for spec in self._specs]
+            self._tasks = [asyncio.create_task(self._forward(i)) for i in range(len(self._specs))]
 
     async def start(self) -> None:
         """Submit every choice and wait for each one's first output, so that admission errors
         (too long, overloaded, engine dead) become a status code before a stream begins."""
-        self._launch()
         pending = {spec.index for spec in self._specs}
         try:
             while pending:
-                item = await self._queue.get()
+                item = await self._read()
                 index, _, exc = item
                 if exc is not None:
                     raise from_engine_exception(exc)
@@ -129,53 +153,48 @@ class ChoiceStreams:
             raise
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every output of every choice, until all have finished; raises APIError on failure."""
-        self._launch()
+        """Every output of every choice, until all have finished; raises APIError on failure.
+        A choice the engine failed alone arrives as a finished output with `error` set."""
         unfinished = {spec.index for spec in self._specs}
-        try:
-            while unfinished:
-                index, out, exc = (
-                    self._buffered.pop(0) if self._buffered else await self._queue.get()
-                )
-                if exc is not None:
-                    raise from_engine_exception(exc)
-                if out is None:
-                    if index in unfinished:
-                        raise from_engine_exception(RuntimeError("engine stream ended early"))
-                    continue
-                if out.finished:
-                    unfinished.discard(index)
-                    if out.error is not None:
-                        logger.error("engine failed request %s: %s", out.request_id, out.error)
-                        raise APIError(500, f"The engine failed the request: {out.error}")
-                yield index, out
-        finally:
-            # Normal end: the pumps are done. Otherwise (client gone, error): abort the rest.
-            self.cancel()
+        while unfinished:
+            index, out, exc = await self._next()
+            if exc is not None:
+                raise from_engine_exception(exc)
+            if out is None:
+                if index in unfinished:
+                    raise from_engine_exception(RuntimeError("engine stream ended early"))
+                continue
+            if out.finished:
+                unfinished.discard(index)
+                if out.error is not None:
+                    logger.error("engine failed request %s: %s", out.request_id, out.error)
+            yield index, out
 
-    def cancel(self) -> None:
-        # Synchronous on purpose: it must work inside an already-cancelled task.
-        for task in self._tasks:
-            if not task.done():
-                task.cancel()
-
+    # ---- ending ---------------------------------------------------------------------------
     def mark_first_token_sent(self, index: int) -> None:
         if index not in self._first_token_marked:
             self._first_token_marked.add(index)
-            self._engine.mark_first_token_sent(self._specs[index].request_id)
+            self._engine.metrics.mark_first_token_sent(self._specs[index].request_id)
 
     def finish(self) -> None:
-        """The response is over (last byte out, error, or client gone): abort what still runs,
-        then, once every engine request has ended, tell the engine the request was responded to
-        (RESPONDED closes its records; marking it after the aborts keeps the events in order)."""
+        """The response is over (last byte out, error, or client gone): close what still runs,
+        then, once every engine request has ended, tell the engine's metrics the request was
+        responded to (RESPONDED closes its records; after the aborts keeps events in order).
+
+        Synchronous on purpose: it must work inside an already-cancelled task."""
         if self._responded:
             return
         self._responded = True
-        self.cancel()
+        for task in self._tasks:
+            task.cancel()
         running = [task for task in self._tasks if not task.done()]
+        if not self._tasks:
+            # Direct reading: close the generator (its `finally` aborts an unfinished request).
+            running += [asyncio.ensure_future(gen.aclose()) for gen in self._generators
+                        if gen.ag_frame is not None and not gen.ag_running]
         remaining = len(running)
 
-        def on_done(_: asyncio.Task) -> None:
+        def on_done(_: asyncio.Future) -> None:
             nonlocal remaining
             remaining -= 1
             if remaining == 0:
@@ -186,6 +205,10 @@ class ChoiceStreams:
         if not running:
             self._mark_responded()
 
+    async def finish_after_send(self) -> None:
+        """`finish` as a response's background task (which runs a plain function on a thread)."""
+        self.finish()
+
     def _mark_responded(self) -> None:
         for spec in self._specs:
-            self._engine.mark_responded(spec.request_id)
+            self._engine.metrics.mark_responded(spec.request_id)
