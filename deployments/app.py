@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from typing import Any
 
 from fastapi import FastAPI
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 # Name of the Serve deployment (and the default application name of the CLI and tests).
 DEPLOYMENT_NAME = "tpserve"
+# The replica process's GIL switch interval (+24% output tokens/s at 16 streams, see README).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def deployment_options(config: TpserveConfig) -> dict[str, Any]:
@@ -69,6 +72,11 @@ class TpserveDeployment(ScaleOutReplica):
     """An ingress replica: owns one engine and serves the OpenAI API over it."""
 
     async def __init__(self, config: TpserveConfig) -> None:
+        # The step thread dispatches hundreds of torch ops per step, each needing the GIL back
+        # from the event loop (HTTP, SSE): with Python's default 5 ms switch interval it waits
+        # behind the loop; 0.5 ms keeps the forward moving while many streams are open. A
+        # process-wide setting, so the replica (which owns the process) sets it.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         # Loading the tokenizer and weights takes seconds: off the event loop.
         self.engine = await asyncio.to_thread(AsyncEngine, config)
 
