@@ -215,3 +215,13 @@ def test_graph_runner_with_the_triton_kernel_is_token_identical_to_the_cpu_path(
     for ref, cand in zip(reference.tokens, candidate.tokens):
         assert compare_greedy(ref, cand).diverged_at is None
     assert runner.stats.num_replays == num_tokens - 1  # batch 3 padded to the 4 graph
+
+
+def test_strided_queries_are_read_in_place():
+    """q as the model hands it over: a view of a fused QKV projection (rows strided)."""
+    q, k, v, tables, lens = make_case(19, [5, 40], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
+    fused = torch.cat([q.flatten(1), torch.randn(2, 64, device=DEVICE)], dim=1)  # [B, (H + 2) * D]
+    view = fused[:, : 4 * 32].view(2, 4, 32)
+    assert not view.is_contiguous()
+    torch.testing.assert_close(triton_paged_decode(view, k, v, tables, lens, 0.3),
+                               torch_paged_decode(q, k, v, tables, lens, 0.3), atol=2e-5, rtol=1e-4)

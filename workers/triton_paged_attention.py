@@ -158,7 +158,8 @@ def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"the Triton decode kernel needs a power-of-two block size, got {block_size}")
     if k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("K and V caches must share one layout with a contiguous head dimension")
-    q = q.contiguous()
+    if q.stride(2) != 1:
+        q = q.contiguous()  # rows and heads may be strided (a view of the fused QKV output)
     group = num_heads // num_kv_heads
     splits = num_splits or num_kv_splits(num_reqs, num_kv_heads, block_tables.shape[1])
     splits = max(1, min(splits, block_tables.shape[1]))
