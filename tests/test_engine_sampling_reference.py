@@ -1,14 +1,17 @@
-"""Logprobs out of the engine equal the log-softmax of the model's RAW logits (before temperature
-and penalties, as OpenAI and vLLM report them), checked against HF transformers' forward over
-the same prompt + output ids in float32, for sampled, penalized and greedy requests in one batch.
+"""The engine's sampling outputs against HF transformers on the default model (float32):
+
+- logprobs equal the log-softmax of the model's RAW logits (before temperature and penalties, as
+  OpenAI and vLLM report them), for sampled, penalized and greedy requests in one batch;
+- greedy decoding with a repetition penalty equals HF `generate` with the same penalty.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from scheduler.sampling_params import SamplingParams
-from tests.engine_helpers import PROMPTS, _hf_model, make_engine
+from tests.engine_helpers import PROMPTS, _hf_model, make_engine, run_engine
 from tests.model_fixtures import default_model_path
 
 TOLERANCE = 1e-3
@@ -37,9 +40,15 @@ def assert_logprobs_match(positions, output_ids: list[int], reference: torch.Ten
         assert values == sorted(values, reverse=True), (name, n)
 
 
-def test_engine_logprobs_equal_hf_raw_log_softmax():
+@pytest.fixture(scope="module")
+def engine():
+    engine = make_engine(default_model_path())
+    yield engine
+    engine.shutdown()
+
+
+def test_engine_logprobs_equal_hf_raw_log_softmax(engine):
     path = default_model_path()
-    engine = make_engine(path)
     max_tokens = 8
     params = {
         "greedy": SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, ignore_eos=True),
@@ -71,3 +80,17 @@ def test_engine_logprobs_equal_hf_raw_log_softmax():
     # some sampled token is not the raw argmax.
     reference = hf_position_logprobs(path, prompts["sampled_penalized"], output_ids["sampled_penalized"])
     assert (reference.argmax(-1) != torch.tensor(output_ids["sampled_penalized"])).any()
+
+
+def test_greedy_with_repetition_penalty_equals_hf_generate(engine):
+    path = default_model_path()
+    prompt_ids = engine.tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
+    ours = run_engine(engine, {"r": (prompt_ids, params)})["r"]
+    with torch.no_grad():
+        generated = _hf_model(path).generate(
+            torch.tensor([prompt_ids]), do_sample=False, repetition_penalty=1.3, max_new_tokens=24,
+            pad_token_id=engine.tokenizer.eos_token_id)  # EOS ids: the model's generation config
+    assert ours == generated[0, len(prompt_ids):].tolist()
+    without = run_engine(engine, {"g": (prompt_ids, SamplingParams(max_tokens=24, temperature=0.0))})["g"]
+    assert without != ours, "the penalty must change this output for the test to mean anything"

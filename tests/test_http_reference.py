@@ -122,31 +122,37 @@ SCRIPT_PROMPTS = {
 }
 
 
-def completion_text(http: httpx.Client, body: dict, stream: bool) -> tuple[str, str]:
-    """(text, finish_reason) of one choice, streamed chunks joined."""
+def completion_texts(http: httpx.Client, body: dict, stream: bool) -> list[tuple[str, str]]:
+    """(text, finish_reason) per choice, streamed chunks joined by choice index."""
     result = post(http, "/v1/completions", body, stream)
     if not stream:
-        return result["choices"][0]["text"], result["choices"][0]["finish_reason"]
-    chunks = [e["choices"][0] for e in result if e["choices"]]
-    return "".join(c["text"] for c in chunks), chunks[-1]["finish_reason"]
+        return [(c["text"], c["finish_reason"]) for c in sorted(result["choices"], key=lambda c: c["index"])]
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for choice in (c for e in result for c in e["choices"]):
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        reasons[choice["index"]] = choice["finish_reason"] or reasons.get(choice["index"])
+    return [(texts[i], reasons[i]) for i in sorted(texts)]
 
 
-@pytest.mark.parametrize("name", list(SCRIPT_PROMPTS))
-def test_text_equals_decode_of_the_greedy_ids(http, name):
-    prompt = SCRIPT_PROMPTS[name]
-    max_tokens = 10
-    output_ids = hf_greedy(default_model_path(), tokenizer().encode(prompt), max_tokens)
-    expected = tokenizer().decode(output_ids, skip_special_tokens=True)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+def test_text_equals_decode_of_the_greedy_ids(http):
+    """Four scripts in one request (a list of prompts: one choice each, batched)."""
+    max_tokens = 8
+    prompts = list(SCRIPT_PROMPTS.values())
+    expected = []
+    for prompt in prompts:
+        output_ids = hf_greedy(default_model_path(), tokenizer().encode(prompt), max_tokens)
+        expected.append((tokenizer().decode(output_ids, skip_special_tokens=True), "length"))
+    body = {"prompt": prompts, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     for stream in (False, True):
         # Equal to decode(): a character released half (U+FFFD) where decode() has it whole fails.
-        assert completion_text(http, body, stream) == (expected, "length"), (name, stream)
+        assert completion_texts(http, body, stream) == expected, stream
 
 
 def test_stop_strings_are_honoured_identically_streamed_and_not(http):
     prompt = SCRIPT_PROMPTS["accented"]
-    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    output_ids = hf_greedy(default_model_path(), tokenizer().encode(prompt), 12)
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    output_ids = hf_greedy(default_model_path(), tokenizer().encode(prompt), 8)
     free = tokenizer().decode(output_ids)
     pieces = [tokenizer().decode([i]) for i in output_ids]
     # Across two tokens: the last character of token k and the first of token k + 1.
@@ -156,7 +162,7 @@ def test_stop_strings_are_honoured_identically_streamed_and_not(http):
     for stop in (across, at_end):
         expected = free[: free.index(stop)]
         for stream in (False, True):
-            assert completion_text(http, {**body, "stop": [stop]}, stream) == (expected, "stop"), (stop, stream)
+            assert completion_texts(http, {**body, "stop": [stop]}, stream) == [(expected, "stop")], (stop, stream)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

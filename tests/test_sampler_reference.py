@@ -148,22 +148,3 @@ def test_bitmask_bit_order_by_hand():
     logits = torch.zeros(1, 64)
     out = apply_request_processors(logits, [row(SP(), allowed_token_bitmask=[1, 2])])[0]
     assert (out == 0).nonzero().flatten().tolist() == [0, 33]
-
-
-def test_greedy_with_repetition_penalty_equals_hf_generate():
-    from tests.engine_helpers import PROMPTS, _hf_model, make_engine, run_engine
-    from tests.model_fixtures import default_model_path
-
-    path = default_model_path()
-    engine = make_engine(path)
-    prompt_ids = engine.tokenizer.encode(PROMPTS[2])
-    params = SP(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
-    ours = run_engine(engine, {"r": (prompt_ids, params)})["r"]
-    with torch.no_grad():
-        generated = _hf_model(path).generate(
-            torch.tensor([prompt_ids]), do_sample=False, repetition_penalty=1.3, max_new_tokens=24,
-            eos_token_id=engine.eos_token_id, pad_token_id=engine.eos_token_id)
-    reference = generated[0, len(prompt_ids):].tolist()
-    assert ours == reference
-    without = run_engine(engine, {"g": (prompt_ids, SP(max_tokens=24, temperature=0.0))})["g"]
-    assert without != ours, "the penalty must change this output for the test to mean anything"
