@@ -180,20 +180,42 @@ class SlowHealthEngine:
         return self.healthy
 
 
-def test_health_reads_a_background_answer_and_never_blocks_the_loop():
-    async def scenario():
-        monitor = HealthMonitor(SlowHealthEngine(0.5), interval_s=0.05, timeout_s=2.0)
-        monitor.start()
-        worst_lag = 0.0
-        for _ in range(40):  # 0.4 s of event loop, while pings take 0.5 s each on their thread
-            start = time.monotonic()
-            assert monitor.healthy
-            await asyncio.sleep(0.01)
-            worst_lag = max(worst_lag, time.monotonic() - start - 0.01)
-        await monitor.stop()
-        return worst_lag
+class BlockedHealthEngine:
+    """is_healthy blocks until released (a TP ping stuck in Ray) and says when it entered/returned."""
 
-    assert run(scenario()) < 0.2
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.returned = threading.Event()
+
+    def is_healthy(self) -> bool:
+        self.entered.set()
+        self.release.wait(timeout=10)  # bounded: a ping wrongly run on the loop still ends
+        self.returned.set()
+        return True
+
+
+def test_health_reads_a_background_answer_and_never_blocks_the_loop():
+    """Ordered by events, not by a lag threshold: while a ping is blocked, the event loop turns
+    and reads the last answer (a ping run on the loop would have returned before it could)."""
+    engine = BlockedHealthEngine()
+
+    async def scenario():
+        monitor = HealthMonitor(engine, interval_s=0.05, timeout_s=30.0)
+        monitor.start()
+        while not engine.entered.is_set():
+            await asyncio.sleep(0.005)
+        answers = []
+        for _ in range(10):
+            answers.append(monitor.healthy)
+            await asyncio.sleep(0)
+        ping_in_flight = not engine.returned.is_set()
+        engine.release.set()
+        await monitor.stop()
+        return answers, ping_in_flight
+
+    answers, ping_in_flight = run(scenario())
+    assert ping_in_flight and all(answers)
 
 
 def test_a_hung_or_failing_health_check_reads_unhealthy():
