@@ -7,14 +7,16 @@ captured graph launches them all at once. The runner owns:
     graph's static output;
   * the capture list: batch sizes 1, 2, 4, 8, then steps of 8 up to
     min(max_num_seqs, max_cuda_graph_batch_size), times the attention backend's block-table
-    widths; captured largest first on one shared memory pool (smaller graphs reuse its memory);
+    widths (one for the Triton kernel, which reads only the blocks a request holds; several for
+    the torch reference, whose gather grows with the width); captured largest first on one
+    shared memory pool (smaller graphs reuse its memory);
   * `can_use(batch)`: a decode-only batch no larger than the largest captured size. Such a batch
     is padded to the next captured size with dummy requests (token 0 at position 0, their one
     K/V slot and every block-table entry in the null block, context length 1) and replayed.
 Prefill and mixed steps never come here (the model runner runs them eagerly); a decode batch
 above the largest size, or any decode batch under `enforce_eager`, runs the same forward eagerly.
 
-The pure functions below (sizes, bucket choice, padding, the step plan) hold all the decisions and
+The pure functions below (sizes, bucket choice, the step plan; padding is in decode_inputs) hold all the decisions and
 are tested on CPU; `capture` takes a capturer object so that CPU tests can stand in for CUDA.
 """
 
