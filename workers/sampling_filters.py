@@ -47,7 +47,8 @@ def apply_top_k(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
 
     def top_k(rows: torch.Tensor) -> torch.Tensor:
         top_values = torch.topk(rows, max(ks), dim=-1).values
-        kth = top_values.gather(1, torch.tensor(ks, device=rows.device)[:, None] - 1)
+        k_index = torch.tensor(ks).to(rows.device, non_blocking=True)[:, None] - 1  # no blocking copy
+        kth = top_values.gather(1, k_index)
         return rows.masked_fill(rows < kth, _NEG_INF)
 
     return _apply_to(logits, picked, top_k)
