@@ -86,6 +86,9 @@ class AsyncEngine:
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
     async def shutdown(self) -> None:
+        # Requests still in flight end now with a clear error (their streams close in-band),
+        # not by hanging until the process is killed.
+        self._fail_all("the server is shutting down")
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._step_thread.shutdown(wait=False, cancel_futures=True)
