@@ -94,3 +94,51 @@ def test_greedy_with_repetition_penalty_equals_hf_generate(engine):
     assert ours == generated[0, len(prompt_ids):].tolist()
     without = run_engine(engine, {"g": (prompt_ids, SamplingParams(max_tokens=24, temperature=0.0))})["g"]
     assert without != ours, "the penalty must change this output for the test to mean anything"
+
+
+def test_logit_bias_and_allowed_bitmask_reach_the_sampler_and_a_dead_row_fails_alone(engine, monkeypatch):
+    """End to end through scheduler, worker and sampler: logit_bias forces a token; the bitmask
+    carried in SchedulerOutput allows exactly one token for one request and none for another,
+    which then ends alone with finish_reason "abort" while its batch mates finish normally."""
+    vocab = engine.model_config.vocab_size
+    words = (vocab + 31) // 32
+    only_token = 1234
+    only_one = [0] * words
+    only_one[only_token // 32] = 1 << (only_token % 32)
+    schedule = engine.scheduler.schedule
+
+    def schedule_with_masks():
+        out = schedule()
+        for request_id in out.num_scheduled_tokens:
+            if request_id == "only_one":
+                out.allowed_token_bitmasks[request_id] = only_one
+            elif request_id == "nothing":
+                out.allowed_token_bitmasks[request_id] = [0] * words
+        return out
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_with_masks)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    params = {
+        "biased": SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias={13: 100.0}),
+        "only_one": SamplingParams(max_tokens=4, temperature=1.0, seed=3, ignore_eos=True),
+        "nothing": SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        "free": SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    }
+    for name, p in params.items():
+        engine.add_request(name, prompt, p)
+    tokens = {name: [] for name in params}
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert tokens["biased"] == [13] * 4 and tokens["only_one"] == [only_token] * 4
+    assert tokens["nothing"] == [] and finished["nothing"] == "abort"
+    assert finished["free"] == "length" and tokens["free"] == hf_greedy_ids(prompt, 4)
+
+
+def hf_greedy_ids(prompt_ids: list[int], num: int) -> list[int]:
+    from tests.engine_helpers import hf_greedy
+
+    return hf_greedy(default_model_path(), prompt_ids, num)
