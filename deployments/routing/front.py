@@ -49,7 +49,11 @@ def routing_ingress_options(config: Any) -> dict[str, Any]:
     actor_options: dict[str, Any] = {"num_cpus": 0}
     if config.routing_ingress_resources:
         actor_options["resources"] = dict(config.routing_ingress_resources)
-    return {"ray_actor_options": actor_options}
+    # It holds every request of every engine replica while they run (Serve's default cap of 5
+    # would queue requests at the proxy in front of idle replicas).
+    max_replicas = (config.autoscaling_config or {}).get("max_replicas", config.num_replicas)
+    return {"ray_actor_options": actor_options,
+            "max_ongoing_requests": config.max_ongoing_requests * max(1, int(max_replicas))}
 
 
 def digests_for(method: str, body: bytes) -> list[int]:

@@ -15,11 +15,19 @@ to the coolest one instead of a fixed imbalance threshold.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
 
 from deployments.routing.policy import ReplicaView, rank_replicas
 from deployments.routing.replica_side import PrefixDigestMemory
@@ -53,7 +61,10 @@ def request_digests(pending_request: PendingRequest | None) -> list[int]:
     return []
 
 
-class KVAwareRouter(RequestRouter):
+# FIFOMixin: a routing task whose own request was taken by another task hands its replica to
+# the oldest pending request. Without it such a task finds nothing to fulfil and, its choice
+# made from the cache without awaiting, spins on the router's event loop and starves it.
+class KVAwareRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         # Per replica id string: digests sent by this router, requests in flight.
         self._sent: dict[str, PrefixDigestMemory] = {}
@@ -92,11 +103,30 @@ class KVAwareRouter(RequestRouter):
                                   if r.replica_id.unique_id not in excluded] or candidate_replicas
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         ranked = rank_replicas(request_digests(pending_request), [self._view(r) for r in candidate_replicas])
+        # Yield once per routing attempt, whatever the cache lets Serve skip.
+        await asyncio.sleep(0)
+        self._refresh_queue_lengths(candidate_replicas)
         now = time.monotonic()
         suspect = {k for k, t in self._unavailable_since.items() if now - t < UNAVAILABLE_PENALTY_S}
         ranked = [r for r in ranked if r not in suspect] + [r for r in ranked if r in suspect]
         # One replica per rank: Serve tries them in this order (a rank's lowest queue wins).
         return [[by_id[replica_id]] for replica_id in ranked]
+
+    def _refresh_queue_lengths(self, replicas: list[RunningReplica]) -> None:
+        """Serve picks within a rank by its queue-length cache, probing each replica whose entry
+        is stale (a call per replica per request once the entry is 10 s old, each waiting for a
+        busy replica's answer). The published engine counts plus this router's own in-flight
+        count are the same figure, fresh enough: they are written into the cache, so no probe is
+        sent. A replica at its limit is left out, and Serve probes it as usual."""
+        if not self._use_replica_queue_len_cache:
+            return
+        for replica in replicas:
+            stats = replica.routing_stats or {}
+            if "num_unfinished" not in stats:
+                continue  # no stats published yet: Serve probes
+            queue_len = max(int(stats["num_unfinished"]), self._in_flight.get(replica.replica_id.to_full_id_str(), 0))
+            if queue_len < replica.max_ongoing_requests:
+                self._replica_queue_len_cache.update(replica.replica_id, queue_len)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
