@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tpserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-cluster prometheus bench bench-offline bench-serve bench-tp model gpu-prepare clean
+.PHONY: install serve test test-cluster prometheus bench bench-offline bench-serve bench-tp model gpu-prepare soak clean
 
 install: $(STAMP) model
 
@@ -37,6 +37,13 @@ test-cluster: install prometheus
 prometheus:
 	@command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends prometheus) || echo "prometheus not installed"
+
+# Issue 12: a bounded run of mixed, partly hostile requests through Ray Serve (cut streams, bad
+# inputs, aborts, preemption); fails on any 5xx, a KV leak, a replica restart or RSS growth > 10%.
+# Not part of `make test`. SOAK_ARGS="--requests 500" for a shorter run.
+SOAK_ARGS ?=
+soak: install
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 bench: install bench-offline bench-serve bench-tp
 

@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.http.api_server import make_api
+from deployments.http.health import HealthMonitor
 from deployments.engine.async_engine import AsyncEngine
 from deployments.config import TpserveConfig
 from deployments.routing.replica_side import ScaleOutReplica
@@ -79,15 +80,18 @@ class TpserveDeployment(ScaleOutReplica):
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         # Loading the tokenizer and weights takes seconds: off the event loop.
         self.engine = await asyncio.to_thread(AsyncEngine, config)
+        # Pings the engine (and its TP workers, through Ray) on a thread; /health and
+        # check_health read its last answer, so neither ever blocks the event loop.
+        self.health = HealthMonitor(self.engine, config.health_check_interval_s)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Kept: requests forwarded by the routing ingress run through the same app.
-        self.api = self.name_replica_in_responses(make_api(self.engine))
+        self.api = self.name_replica_in_responses(make_api(self.engine, self.health))
         return self.api
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
         # Serve restarts a replica whose engine (or one of its workers) died.
-        if not self.engine.is_healthy():
+        if not self.health.healthy:
             raise RuntimeError("the tpserve engine is not healthy")
 
     async def engine_state(self) -> dict[str, int]:

@@ -55,12 +55,13 @@ def ensure_admission_limits(engine: Any) -> None:
         engine.admission_limits = AdmissionLimits(engine.max_model_len)
 
 
-def make_api(engine: Any) -> FastAPI:
-    """The HTTP app over `engine` (an AsyncEngine, or any object with its interface)."""
+def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
+    """The HTTP app over `engine` (an AsyncEngine, or any object with its interface). `health`:
+    the monitor /health reads (the Serve replica shares it with its check_health); None = a new one."""
     config = engine_config(engine)
     limits = RequestLimits.from_config(config)
     pool = concurrent.futures.ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tpserve-tokenize")
-    health = HealthMonitor(engine, config.health_check_interval_s)
+    health = health if health is not None else HealthMonitor(engine, config.health_check_interval_s)
     ensure_admission_limits(engine)
 
     @asynccontextmanager

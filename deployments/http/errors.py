@@ -170,7 +170,16 @@ async def _http_exception_handler(_: Request, exc: Exception) -> JSONResponse:
     return response
 
 
+def is_cancellation(exc: BaseException) -> bool:
+    """The client went away and Serve cancelled the request: nobody will read a response."""
+    # By name: errors.py must not import ray (tests drive the app without it).
+    return type(exc).__name__ in ("TaskCancelledError", "RequestCancelledError", "CancelledError")
+
+
 async def _internal_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    if is_cancellation(exc):
+        logger.info("request cancelled (client disconnected)")
+        return internal_error().to_response()
     # The trace goes to the replica log, never to the client.
     logger.error("unhandled error in a request", exc_info=exc)
     return internal_error().to_response()
