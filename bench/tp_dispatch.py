@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import pickle
 import platform
@@ -25,16 +26,92 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Literal
+
+import ray
 
 from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine, make_worker_config
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
-from workers.executor import Executor, InProcessExecutor
+from workers.executor import Executor, ExecutorError, InProcessExecutor
 from workers.model_config import ModelConfig
+from workers.ray_executor import RayExecutor
+
+Dispatch = Literal["gloo", "compiled_graph", "remote"]
 
 CONTEXTS = (128, 2048)
 WARMUP_STEPS = 5
+
+
+class BenchRayExecutor(RayExecutor):
+    """RayExecutor with the dispatch modes the config cannot select, kept to measure against the
+    default gloo control group: "compiled_graph" (a Ray Compiled Graph fanning the
+    SchedulerOutput out over shared-memory channels; rank 0's output comes back) and "remote"
+    (one Ray call per rank per step). "gloo" is the production path unchanged."""
+
+    def __init__(self, *args, dispatch: Dispatch = "gloo", **kwargs) -> None:
+        if dispatch not in ("gloo", "compiled_graph", "remote"):
+            raise ValueError(f"unknown dispatch {dispatch!r}")
+        super().__init__(*args, **kwargs)
+        self.dispatch = dispatch
+        self._dag = None
+
+    def _start_dispatch(self) -> None:
+        if self.dispatch == "gloo":
+            super()._start_dispatch()
+        elif self.dispatch == "compiled_graph":
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as scheduler_output:
+                dag = MultiOutputNode([w.execute_model.bind(scheduler_output) for w in self.workers])
+            self._dag = dag.experimental_compile(_max_inflight_executions=1)
+
+    def _dispatch_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.dispatch == "gloo":
+            return super()._dispatch_step(scheduler_output)
+        try:
+            if self.dispatch == "compiled_graph":
+                return ray.get(self._dag.execute(scheduler_output), timeout=self.step_timeout_s)[0]
+            return self._wait_step([w.execute_model.remote(scheduler_output) for w in self.workers])[0]
+        except ExecutorError:
+            raise
+        except (ray.exceptions.RayChannelTimeoutError, ray.exceptions.GetTimeoutError):
+            raise ExecutorError(self._timeout_message()) from None
+        except Exception as exc:  # noqa: BLE001 - any failure of a rank ends the executor
+            raise ExecutorError(self._failure_message(exc)) from exc
+
+    def _wait_step(self, refs: list) -> list:
+        """Results of `refs`; fails as soon as one fails, or after step_timeout_s."""
+        deadline = time.monotonic() + self.step_timeout_s
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise ExecutorError(self._timeout_message())
+            ray.get(ready[0])
+        return ray.get(list(refs))
+
+    def _release_dispatch(self, workers: list) -> None:
+        if self._dag is not None:
+            dag, self._dag = self._dag, None
+            dag.teardown()
+        super()._release_dispatch(workers)
+
+    def _forget_dispatch(self) -> None:
+        if self._dag is None:
+            return
+        # Its actors are gone: tearing down only frees the driver side (Ray logs the dead actors).
+        dag, self._dag = self._dag, None
+        dag_logger = logging.getLogger("ray.dag.compiled_dag_node")
+        level = dag_logger.level
+        dag_logger.setLevel(logging.CRITICAL)
+        try:
+            dag.teardown()
+        except Exception:  # noqa: BLE001
+            pass
+        finally:
+            dag_logger.setLevel(level)
 
 
 class TimedExecutor(Executor):
@@ -105,9 +182,7 @@ def make_executor(kind: str, dispatch: str | None, config: TpserveConfig) -> Exe
     worker_config = make_worker_config(config, model_config, config.max_model_len)
     if kind == "inprocess":
         return InProcessExecutor(worker_config)
-    from workers.ray_executor import RayExecutor
-
-    return RayExecutor(worker_config, config.tensor_parallel_size, dispatch=dispatch)
+    return BenchRayExecutor(worker_config, config.tensor_parallel_size, dispatch=dispatch)
 
 
 def measure(engine: LLMEngine, timed: TimedExecutor, context: int, steps: int, batch: int) -> dict:

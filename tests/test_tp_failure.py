@@ -17,6 +17,7 @@ import time
 import pytest
 import ray
 
+from bench.tp_dispatch import BenchRayExecutor
 from deployments.engine.async_engine import AsyncEngine
 from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine, make_worker_config
@@ -42,8 +43,10 @@ def make_config(model: str, **overrides) -> TpserveConfig:
 def make_engine(config: TpserveConfig, **executor_options) -> LLMEngine:
     model_config = ModelConfig.from_pretrained(config.model)
     worker_config = make_worker_config(config, model_config, config.max_model_len)
-    executor = RayExecutor(worker_config, config.tensor_parallel_size, step_timeout_s=config.step_timeout_s,
-                           **executor_options)
+    # The dispatch modes the config cannot select live with the benchmark that measures them.
+    executor_class = BenchRayExecutor if "dispatch" in executor_options else RayExecutor
+    executor = executor_class(worker_config, config.tensor_parallel_size, step_timeout_s=config.step_timeout_s,
+                              **executor_options)
     return LLMEngine(config, executor=executor)
 
 

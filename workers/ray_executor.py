@@ -4,14 +4,12 @@ Placement: inside a Serve replica the workers join the replica's own placement g
 bundle r, see workers/placement.py); anywhere else (tests, offline benchmarks) the executor
 creates a group with one bundle per rank and removes it on shutdown.
 
-Per-step dispatch (`dispatch=`), all sending only the SchedulerOutput deltas of the step:
-  * "gloo" (default): no Ray call per step: the engine broadcasts the pickled SchedulerOutput to
-    every rank over a gloo control group of its own (engine + workers, one collective in a fixed
-    16 KiB buffer) and rank 0 sends its output back point to point; every wait blocks;
-  * "compiled_graph": a Ray Compiled Graph (shared-memory channels) fanning the SchedulerOutput
-    out to every rank; rank 0's output comes back;
-  * "remote": one Ray call per rank per step.
-Measured by bench/tp_dispatch.py on the 2-core dev machine (load ~4), TP=2, median overhead
+Per-step dispatch, sending only the SchedulerOutput deltas of the step: no Ray call per step:
+the engine broadcasts the pickled SchedulerOutput to every rank over a gloo control group of its
+own (engine + workers, one collective in a fixed 16 KiB buffer) and rank 0 sends its output back
+point to point; every wait blocks. Two alternatives the config cannot select are kept in
+bench/tp_dispatch.py (`BenchRayExecutor`) to measure against: a Ray Compiled Graph
+(shared-memory channels) and one Ray call per rank per step. Measured by bench/tp_dispatch.py on the 2-core dev machine (load ~4), TP=2, median overhead
 (step wall time minus the slowest rank's execute time) at 128 / 2048-token contexts: gloo
 0.82 / 0.81 ms, compiled graph 1.11 / 1.64 ms, remote 3.05 / 2.98 ms. The compiled graph's
 channels also poll (~0.3 core per idle actor, and the engine's reader while a step runs), which
@@ -28,9 +26,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group, remove_placement_group
@@ -47,8 +44,6 @@ from workers.worker import WorkerConfig, WorkerLoadReport
 
 logger = logging.getLogger(__name__)
 
-Dispatch = Literal["gloo", "compiled_graph", "remote"]
-DEFAULT_DISPATCH: Dispatch = "gloo"
 # Seconds to wait for a placement group, worker startup or weight loading before giving up.
 STARTUP_TIMEOUT_S = 300.0
 # Seconds `check_health` waits for every worker's ping.
@@ -79,15 +74,12 @@ def default_num_threads(tensor_parallel_size: int) -> int:
 class RayExecutor(Executor):
     def __init__(self, worker_config: WorkerConfig, tensor_parallel_size: int,
                  placement_strategy: str = "STRICT_PACK", step_timeout_s: float = 120.0,
-                 dispatch: Dispatch = DEFAULT_DISPATCH, num_threads_per_rank: int | None = None) -> None:
-        if dispatch not in ("gloo", "compiled_graph", "remote"):
-            raise ValueError(f"unknown dispatch {dispatch!r}")
+                 num_threads_per_rank: int | None = None) -> None:
         check_tensor_parallel_size(ModelConfig.from_pretrained(worker_config.model_path), tensor_parallel_size)
         self.worker_config = worker_config
         self.tensor_parallel_size = tensor_parallel_size
         self.placement_strategy = placement_strategy
         self.step_timeout_s = step_timeout_s
-        self.dispatch = dispatch
         self.num_threads = num_threads_per_rank or default_num_threads(tensor_parallel_size)
         self.use_gpu = worker_config.device == "cuda"
         self.workers: list[Any] = []
@@ -99,7 +91,6 @@ class RayExecutor(Executor):
         self._control = None
         self._control_store = None
         self._loop_refs: list[ray.ObjectRef] = []
-        self._dag = None
         # Set once a worker died or a step failed: the executor never runs a step again.
         self._dead_reason: str | None = None
 
@@ -154,57 +145,22 @@ class RayExecutor(Executor):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._get([w.init_kv_cache.remote(num_blocks) for w in self.workers], STARTUP_TIMEOUT_S, "KV cache allocation")
-        if self.dispatch == "gloo":
-            self._start_control_loops()
-        elif self.dispatch == "compiled_graph":
-            from ray.dag import InputNode, MultiOutputNode
-
-            with InputNode() as scheduler_output:
-                dag = MultiOutputNode([w.execute_model.bind(scheduler_output) for w in self.workers])
-            self._dag = dag.experimental_compile(_max_inflight_executions=1)
+        self._start_dispatch()
 
     # ---- steps --------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._dead_reason is not None:
             raise ExecutorError(self._dead_reason)
         try:
-            if self.dispatch == "compiled_graph":
-                result = self._execute_compiled(scheduler_output)
-            elif self.dispatch == "gloo":
-                result = self._execute_gloo(scheduler_output)
-            else:
-                result = self._wait_step([w.execute_model.remote(scheduler_output) for w in self.workers])[0]
+            result = self._dispatch_step(scheduler_output)
         except ExecutorError as exc:
             self._dead_reason = str(exc)
             raise
         assert result is not None, "rank 0 returned no ModelRunnerOutput"
         return result
 
-    def _execute_compiled(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        try:
-            refs = self._dag.execute(scheduler_output)
-            return ray.get(refs, timeout=self.step_timeout_s)[0]
-        except ray.exceptions.RayChannelTimeoutError:
-            raise ExecutorError(self._timeout_message()) from None
-        except Exception as exc:  # noqa: BLE001 - any failure of a rank ends the executor
-            raise ExecutorError(self._failure_message(exc)) from exc
-
-    def _wait_step(self, refs: list[ray.ObjectRef]) -> list[Any]:
-        """Results of `refs`; fails as soon as one fails, or after step_timeout_s."""
-        deadline = time.monotonic() + self.step_timeout_s
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise ExecutorError(self._timeout_message())
-            try:
-                ray.get(ready[0])
-            except Exception as exc:  # noqa: BLE001
-                raise ExecutorError(self._failure_message(exc)) from exc
-        return ray.get(list(refs))
-
     # ---- gloo dispatch ------------------------------------------------------------------
-    def _start_control_loops(self) -> None:
+    def _start_dispatch(self) -> None:
         host = ray.util.get_node_ip_address()
         size = self.tensor_parallel_size + 1
         self._control_store = make_control_store(host, 0, size, is_engine=True)
@@ -213,7 +169,7 @@ class RayExecutor(Executor):
         self._get(joins, STARTUP_TIMEOUT_S, "control group setup")
         self._loop_refs = [w.run_control_loop.remote() for w in self.workers]
 
-    def _execute_gloo(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _dispatch_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
             self._control.broadcast(scheduler_output)
             reply = self._control.receive(src=1)
@@ -280,29 +236,19 @@ class RayExecutor(Executor):
             self._release_dispatch(workers)
         for worker in workers:
             ray.kill(worker, no_restart=True)
-        if self._dag is not None and not healthy:
-            # Its actors are gone: tearing down only frees the driver side (Ray logs the dead actors).
-            dag, self._dag = self._dag, None
-            dag_logger = logging.getLogger("ray.dag.compiled_dag_node")
-            level = dag_logger.level
-            dag_logger.setLevel(logging.CRITICAL)
-            try:
-                dag.teardown()
-            except Exception:  # noqa: BLE001
-                pass
-            finally:
-                dag_logger.setLevel(level)
+        if not healthy:
+            self._forget_dispatch()
         self._control = self._control_store = None
         if self._created_pg is not None:
             remove_placement_group(self._created_pg)
             self._created_pg = None
 
+    def _forget_dispatch(self) -> None:
+        """After the workers of a failed group were killed: free what the driver side holds."""
+
     def _release_dispatch(self, workers: list[Any]) -> None:
-        """Clean stop of a healthy group: tear the compiled graph down / end the follower loops."""
+        """Clean stop of a healthy group: end the follower loops."""
         try:
-            if self._dag is not None:
-                dag, self._dag = self._dag, None
-                dag.teardown()
             if self._control is not None:
                 self._control.broadcast(STOP)
                 ray.wait(self._loop_refs, num_returns=len(self._loop_refs), timeout=HEALTH_TIMEOUT_S)
