@@ -8,6 +8,7 @@ KV cache runs out, the most recently admitted running request is preempted (reco
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +25,11 @@ from scheduler.outputs import (
 )
 from scheduler.request import Request, RequestStatus
 from scheduler.stop_checker import check_stop
+
+logger = logging.getLogger("tpserve")
+
+# What the client reads when its request's stop handling raised (the trace is in the log).
+STOP_HANDLING_FAILED_MESSAGE = "the server failed while checking this request's stop conditions"
 
 
 @dataclass
@@ -239,13 +245,16 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             self.kv.on_tokens_computed(request)
             error = runner_output.request_errors.get(request_id)
+            if error is None:
+                try:
+                    update, status = self._append_sampled(request, runner_output, step_ts)
+                except Exception:  # noqa: BLE001 - one request's stop handling must not end the batch
+                    logger.exception("stop handling failed for request %s", request_id)
+                    error = STOP_HANDLING_FAILED_MESSAGE
             if error is not None:
-                # Sampling failed for this row alone (non-finite logits, ...): it ends, the rest go on.
+                # Sampling (non-finite logits, ...) or stop handling failed for this request alone.
                 request.error = error
-                updates.append(RequestUpdate(request))
-                finished.append((request, RequestStatus.FINISHED_ABORTED))
-                continue
-            update, status = self._append_sampled(request, runner_output, step_ts)
+                update, status = RequestUpdate(request), RequestStatus.FINISHED_ABORTED
             updates.append(update)
             if status is not None:
                 finished.append((request, status))

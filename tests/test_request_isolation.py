@@ -222,3 +222,24 @@ def test_a_slow_client_reads_one_merged_output_not_one_per_token(tiny_model, ref
         asyncio.run(engine.shutdown())
     assert len(reads) == 2 and reads[-1].finished
     assert [t for out in reads for t in out.new_token_ids] == reference["r0"]
+
+
+def test_a_stop_check_error_fails_only_its_request(monkeypatch):
+    import scheduler.scheduler as scheduler_module
+
+    real_check = scheduler_module.check_stop
+
+    def check_stop(request, max_model_len):
+        if request.request_id == "bad" and request.num_output_tokens == 2:
+            raise IndexError("stop ids out of range")
+        return real_check(request, max_model_len)
+
+    monkeypatch.setattr(scheduler_module, "check_stop", check_stop)
+    sched = make_scheduler()
+    good, bad = make_request(6, "good", max_tokens=5), make_request(6, "bad", max_tokens=5)
+    sched.add_request(good)
+    sched.add_request(bad)
+    run_until_done(sched, FakeRunner.for_scheduler(sched))
+    assert good.status == RequestStatus.FINISHED_LENGTH and good.num_output_tokens == 5 and good.error is None
+    assert bad.status == RequestStatus.FINISHED_ABORTED and bad.error == scheduler_module.STOP_HANDLING_FAILED_MESSAGE
+    assert sched.kv.pool.num_used_blocks == 0
