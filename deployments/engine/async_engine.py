@@ -94,10 +94,16 @@ class AsyncEngine:
         self._step_thread.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the loop stopped (None while it runs). Never blocks, unlike `is_healthy`, which
+        also pings the workers."""
+        if self._dead_reason is None and self._loop_task is not None and self._loop_task.done():
+            return "the engine loop ended"
+        return self._dead_reason
+
     def is_healthy(self) -> bool:
-        if self._dead_reason is not None:
-            return False
-        if self._loop_task is not None and self._loop_task.done():
+        if self.dead_reason is not None:
             return False
         try:
             self.engine.executor.check_health()

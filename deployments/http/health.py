@@ -45,7 +45,9 @@ class HealthMonitor:
             # Not started (tests driving the app without its lifespan): ask the engine directly.
             return bool(self._engine.is_healthy())
         stale = time.monotonic() - self._checked_at > _STALE_AFTER_INTERVALS * max(self.interval_s, self.timeout_s)
-        return self._healthy and not stale
+        # A loop that already stopped is unhealthy now, not at the next ping.
+        dead = getattr(self._engine, "dead_reason", None) is not None
+        return self._healthy and not stale and not dead
 
     async def check_once(self) -> bool:
         """Ask the engine on a thread; a timeout or an exception is unhealthy."""
