@@ -13,11 +13,12 @@ from deployments.config import TpserveConfig
 from deployments.engine.admission import AdmissionLimits, check_admission
 from deployments.engine.output_processor import OutputProcessor
 from deployments.engine.outputs import RequestOutput
+from deployments.engine.structured_output import StructuredOutputManager
 from metrics.stats import IterationStats
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import RequestUpdate, Scheduler
 from workers.executor import Executor
 from workers.generation_defaults import read_generation_defaults
 from workers.model_config import ModelConfig
@@ -101,6 +102,9 @@ class LLMEngine:
         self.admission_limits = AdmissionLimits(self.max_model_len, (num_blocks - 1) * config.block_size)
         self.eos_token_ids = read_eos_token_ids(model_path, self.model_config.eos_token_ids, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
+        # Grammar matchers for response_format requests; built on first use (xgrammar's
+        # tokenizer tables take a moment and most deployments never constrain output).
+        self._structured_output: StructuredOutputManager | None = None
         # The last step's stats (stat loggers read it; tests too).
         self.last_iteration: IterationStats | None = None
 
@@ -114,8 +118,18 @@ class LLMEngine:
 
     def add(self, request: Request) -> None:
         """Queue a request from `make_request` (between steps)."""
+        spec = request.sampling_params.structured_output
+        if spec is not None:
+            self.structured_output.add_request(request.request_id, spec)
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """Compiles response_format grammars (the HTTP layer validates through it, off-loop)."""
+        if self._structured_output is None:
+            self._structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
+        return self._structured_output
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     queued_ts: float | None = None) -> None:
@@ -144,8 +158,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if self._structured_output is not None:
+            self._structured_output.attach_bitmasks(scheduler_output, self.scheduler.requests)
         runner_output = self.executor.execute_model(scheduler_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._structured_output is not None:
+            self._advance_grammars(updates)
         outputs = self.output_processor.process(updates)
         stats = self.scheduler.make_stats()
         self.last_iteration = IterationStats(
@@ -157,6 +175,21 @@ class LLMEngine:
             num_generation_tokens=stats.generation_tokens,
         )
         return outputs
+
+    def _advance_grammars(self, updates: list[RequestUpdate]) -> None:
+        """Feed sampled tokens to the matchers; a refused token ends that request alone, and a
+        completed grammar ends its request even when it ignores EOS (nothing may follow)."""
+        manager = self._structured_output
+        for update in updates:
+            request = update.request
+            if request.status.is_finished:
+                continue
+            reason = manager.advance(request, update.new_token_ids)
+            if reason is not None:
+                request.error = reason
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            elif manager.is_finished(request.request_id):
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     # ---- introspection (tests, health) ---------------------------------------------------
     @property

@@ -22,6 +22,8 @@ from collections import OrderedDict
 
 import torch
 
+from scheduler.outputs import SchedulerOutput
+from scheduler.request import Request
 from scheduler.sampling_params import StructuredOutputSpec
 
 # Compiled grammars kept per (kind, schema): a client that sends the same schema on every request
@@ -107,6 +109,29 @@ class StructuredOutputManager:
         if matcher is None:
             return True
         return all(matcher.accept_token(t) for t in token_ids)
+
+    # ---- the engine step's hooks ----------------------------------------------------------
+    def attach_bitmasks(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Before execute: drop matchers of requests that ended, mask the rows that sample."""
+        for request_id in scheduler_output.finished_req_ids:
+            self._matchers.pop(request_id, None)
+        if not self._matchers:
+            return
+        sampling = [
+            request_id for request_id, n in scheduler_output.num_scheduled_tokens.items()
+            if request_id in self._matchers
+            # Only a step that completes the known tokens samples (not a partial prefill chunk).
+            and requests[request_id].num_computed_tokens + n >= requests[request_id].num_tokens
+        ]
+        scheduler_output.allowed_token_bitmasks = self.make_bitmasks(sampling)
+
+    def advance(self, request: Request, new_token_ids: list[int]) -> str | None:
+        """After update: feed the sampled tokens; the reason the request must end, if any."""
+        if not new_token_ids or request.request_id not in self._matchers:
+            return None
+        if not self.accept(request.request_id, new_token_ids):
+            return "the sampled output left the requested response_format"
+        return None
 
     def is_finished(self, request_id: str) -> bool:
         """The grammar is complete and has accepted its stop token: nothing more may follow."""
