@@ -152,9 +152,6 @@ class Worker:
         self.forward_times.clear()
         return times
 
-    def get_param_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.core.model.parameters())
-
 
 # The actor class: threaded so `ping` answers while a step or the follower loop runs.
 RayWorker = ray.remote(max_concurrency=2)(Worker)
