@@ -59,6 +59,8 @@ class FakeEngine:
         # Every generate() call: (request_id, prompt_token_ids, params).
         self.calls: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
+        # Request ids handed to release() (AsyncEngine ends those still registered).
+        self.released: list[str] = []
         self.first_token_sent: list[str] = []
         self.responded: list[str] = []
         self.healthy = True
@@ -91,6 +93,16 @@ class FakeEngine:
 
     def mark_responded(self, request_id: str) -> None:
         self.responded.append(request_id)
+
+    def admit(self, batch, arrival_ts) -> list[AsyncIterator[RequestOutput]]:
+        """Like AsyncEngine.admit: admission errors raise for the whole batch before any runs."""
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        return [self.generate(rid, prompt, params, arrival_ts) for rid, prompt, params in batch]
+
+    def release(self, request_ids) -> None:
+        self.released.extend(request_ids)
 
     async def generate(self, request_id, prompt_token_ids, params, arrival_ts) -> AsyncIterator[RequestOutput]:
         if self.fail_next is not None:

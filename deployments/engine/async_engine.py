@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine
@@ -81,6 +81,9 @@ class AsyncEngine:
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
+        self._ensure_loop()
+
+    def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
@@ -112,23 +115,54 @@ class AsyncEngine:
         return True
 
     # ---- requests -----------------------------------------------------------------------
+    def admit(self, batch: Sequence[tuple[str, list[int], SamplingParams]],
+              arrival_ts: float) -> list[AsyncGenerator[RequestOutput, None]]:
+        """Admit one HTTP request's engine requests together, all or none (issue 12 item 5).
+
+        Every check (engine alive, room in the waiting queue for all of them, each one's admission
+        rule) runs before any request is registered, and nothing awaits in between, so no other
+        request can take the room half-way. Returns each request's outputs; a consumer that stops
+        early aborts its request, and `release` ends those whose outputs are never read."""
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self.num_waiting_requests + len(batch) > self.config.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the server has {self.num_waiting_requests} requests waiting and this one brings "
+                f"{len(batch)} (max_waiting_requests={self.config.max_waiting_requests})"
+            )
+        ids = [request_id for request_id, _, _ in batch]
+        if len(set(ids)) != len(ids) or any(request_id in self._streams for request_id in ids):
+            raise ValueError(f"request ids {ids!r} are already in use")
+        requests = [self.engine.make_request(rid, prompt, params) for rid, prompt, params in batch]
+        self._ensure_loop()
+        outputs = []
+        for request in requests:
+            stream = self._streams[request.request_id] = RequestStream()
+            self._pending_adds.append((request, arrival_ts))
+            outputs.append(self._outputs(request.request_id, stream))
+        self._wakeup.set()
+        return outputs
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        arrival_ts: float) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes. Admission errors raise before the first one."""
-        if self._dead_reason is not None:
-            raise EngineDeadError(self._dead_reason)
-        if self.num_waiting_requests >= self.config.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the server has {self.num_waiting_requests} requests waiting "
-                f"(max_waiting_requests={self.config.max_waiting_requests})"
-            )
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.engine.make_request(request_id, prompt_token_ids, params)
-        await self.start()
-        stream = self._streams[request_id] = RequestStream()
-        self._pending_adds.append((request, arrival_ts))
-        self._wakeup.set()
+        (outputs,) = self.admit([(request_id, prompt_token_ids, params)], arrival_ts)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """End these requests if their outputs are still registered (a consumer that never
+        started reading, or stopped): they are aborted at the next step."""
+        for request_id in request_ids:
+            if self._streams.pop(request_id, None) is not None:
+                self._pending_aborts.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _outputs(self, request_id: str, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
@@ -136,12 +170,10 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            self._streams.pop(request_id, None)
             if not finished:
                 # The consumer went away (client disconnect, cancellation): abort next step.
-                self._pending_aborts.append(request_id)
-                if self._wakeup is not None:
-                    self._wakeup.set()
+                self.release([request_id])
+            self._streams.pop(request_id, None)
 
     # ---- introspection ------------------------------------------------------------------
     @property

@@ -89,10 +89,14 @@ class ChoiceStreams:
     def __init__(self, engine: Any, specs: Sequence[ChoiceSpec], arrival_ts: float) -> None:
         self._engine = engine
         self._specs = list(specs)
-        self._generators: list[AsyncGenerator[RequestOutput, None]] = [
-            engine.generate(spec.request_id, spec.prompt_token_ids, spec.params, arrival_ts)
-            for spec in self._specs
-        ]
+        # All choices admitted together or none: a refusal (queue full, engine dead, too long)
+        # is a status code for the whole request, raised here before any choice runs.
+        try:
+            self._generators: list[AsyncGenerator[RequestOutput, None]] = engine.admit(
+                [(spec.request_id, spec.prompt_token_ids, spec.params) for spec in self._specs], arrival_ts
+            )
+        except Exception as exc:
+            raise from_engine_exception(exc) from None
         # Several choices only: one forwarding task per choice into one queue.
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -202,6 +206,9 @@ class ChoiceStreams:
 
         for task in running:
             task.add_done_callback(on_done)
+        # Choices whose outputs were never read (a task cancelled before it ran never closes
+        # its generator): the engine ends them, or they would run on for nobody.
+        self._engine.release([spec.request_id for spec in self._specs])
         if not running:
             self._mark_responded()
 
