@@ -59,7 +59,6 @@ def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
     """The HTTP app over `engine` (an AsyncEngine, or any object with its interface). `health`:
     the monitor /health reads (the Serve replica shares it with its check_health); None = a new one."""
     config = engine_config(engine)
-    limits = RequestLimits.from_config(config)
     pool = concurrent.futures.ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tpserve-tokenize")
     health = health if health is not None else HealthMonitor(engine, config.health_check_interval_s)
     ensure_admission_limits(engine)
@@ -76,11 +75,18 @@ def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
     app = FastAPI(title="tpserve", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.health = health
     install_error_handlers(app)
+    add_openai_routes(app, engine, RequestLimits.from_config(config), pool)
+    add_model_routes(app, engine)
+    add_operations_routes(app, engine, health)
+    return app
+
+
+def add_openai_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: concurrent.futures.Executor) -> None:
+    """POST /v1/completions and /v1/chat/completions: bodies parsed and prompts tokenized on `pool`."""
     prompts = PromptTokenizer(engine.tokenizer, pool)
     vocab_size = vocab_size_of(engine)
     completions = CompletionServing(engine, limits, prompts, vocab_size)
     chat = ChatServing(engine, limits, prompts, vocab_size)
-    started = created_ts()
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
@@ -96,6 +102,11 @@ def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
             request, ChatCompletionRequest, limits.max_request_body_bytes, limits.max_json_depth, pool
         )
         return await chat.create(body, arrival_ts)
+
+
+def add_model_routes(app: FastAPI, engine: Any) -> None:
+    """GET /v1/models and /v1/models/{id}: the one served model."""
+    started = created_ts()
 
     def model_card() -> dict[str, Any]:
         return {
@@ -115,6 +126,10 @@ def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
         if model_id != engine.model_name:
             raise model_not_found(model_id)
         return model_card()
+
+
+def add_operations_routes(app: FastAPI, engine: Any, health: HealthMonitor) -> None:
+    """GET /health, /metrics and /v1/requests/{id}/timeline."""
 
     @app.get("/health")
     async def health_route() -> Response:
@@ -144,5 +159,3 @@ def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
         if fmt == "svg":
             return Response(result, media_type="image/svg+xml")
         return JSONResponse(result)
-
-    return app
