@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -97,7 +99,8 @@ def test_unsupported_completion_options_are_rejected(fields, words):
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"messages": []}, "messages"),
@@ -108,6 +111,17 @@ def test_unsupported_completion_options_are_rejected(fields, words):
 def test_unsupported_chat_options_are_rejected(fields, words):
     _, message = error_of(chat, **fields)
     assert words in message
+
+
+@pytest.mark.parametrize("make", [completion, chat], ids=["completions", "chat"])
+def test_response_format_becomes_the_engine_constraint(make):
+    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}}
+    request = make(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    spec = request.to_sampling_params(8, 0).structured_output
+    assert spec.kind == "json_schema"
+    assert list(json.loads(spec.json_schema)["properties"]) == ["z", "a"], "declared key order kept"
+    assert make(response_format={"type": "json_object"}).to_sampling_params(8, 0).structured_output.kind == "json_object"
+    assert make(response_format={"type": "text"}).to_sampling_params(8, 0).structured_output is None
 
 
 def test_unknown_fields_are_ignored_and_reported():

@@ -27,7 +27,8 @@ class PromptTokenizer:
         # Where the work runs; None = inline (only for tests with a trivial tokenizer).
         self.pool = pool
 
-    async def _run(self, fn, *args):
+    async def run(self, fn, *args):
+        """`fn(*args)` on the pool (tokenizer-heavy work stays off the event loop)."""
         if self.pool is None:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -47,7 +48,7 @@ class PromptTokenizer:
         self, prompts: Sequence[str | list[int]], echo: bool
     ) -> tuple[list[list[int]], list[str]]:
         """Token ids of each prompt (ids pass through), and its text (decoded for echo)."""
-        return await self._run(self._encode_all, prompts, echo)
+        return await self.run(self._encode_all, prompts, echo)
 
     def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         try:
@@ -63,7 +64,7 @@ class PromptTokenizer:
 
     async def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         """Token ids of the conversation rendered with the model's chat template."""
-        return await self._run(self._render_chat, messages, add_generation_prompt)
+        return await self.run(self._render_chat, messages, add_generation_prompt)
 
 
 def _template_error_message(exc: Exception) -> str:

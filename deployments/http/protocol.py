@@ -3,7 +3,7 @@
 Unknown fields are ignored, as vLLM does (and unlike OpenAI, which rejects them): clients and
 SDKs routinely send fields a server has no use for (`store`, `metadata`, `service_tier`, ...),
 and breaking them buys nothing. The serving layer logs the names it ignored. Fields that OpenAI
-defines but tpserve cannot honour (`suffix`, tools, JSON response formats,
+defines but tpserve cannot honour (`suffix`, tools,
 `best_of` > n, prompt logprobs through `echo`) are declared here and rejected with a 400, so a
 client never silently gets something other than what it asked for.
 
@@ -12,11 +12,12 @@ Validation errors raised here become 400 OpenAI errors naming the field (deploym
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputSpec
 
 # Most top logprobs a request may ask for (OpenAI's limit for chat; vLLM's default cap).
 MAX_LOGPROBS = 20
@@ -32,6 +33,47 @@ MAX_CACHE_SALT_CHARS = 256
 # Most logit_bias entries (OpenAI allows 300) and the range of one bias (OpenAI's).
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ABS_LOGIT_BIAS = 100.0
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema` object."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    # The schema's name (informational here).
+    name: str | None = Field(default=None, max_length=64)
+    # Free-text description (informational here).
+    description: str | None = None
+    # The JSON Schema the output must validate against.
+    schema_: dict[str, Any] = Field(alias="schema")
+    # OpenAI's strict flag: tpserve always enforces the schema.
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # What the output must parse as.
+    type: Literal["text", "json_object", "json_schema"]
+    # Required with type "json_schema".
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format of type "json_schema" needs a "json_schema" object')
+        return self
+
+    def to_spec(self) -> StructuredOutputSpec | None:
+        """The engine's constraint (None for plain text). The schema keeps the client's key
+        order: properties are generated in declared order."""
+        if self.type == "json_object":
+            return StructuredOutputSpec("json_object")
+        if self.type == "json_schema":
+            return StructuredOutputSpec("json_schema", json.dumps(self.json_schema.schema_))
+        return None
 
 
 class StreamOptions(BaseModel):
@@ -101,6 +143,8 @@ class SamplingRequest(BaseModel):
     tpserve: TpserveOptions | None = None
     # Prefix-cache salt (vLLM extension): requests share cached prefixes only with the same salt.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # Constrain the output to JSON (any object, or valid against a schema); both endpoints.
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -208,6 +252,7 @@ class SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias_pairs(),
             cache_salt=self.cache_salt,
+            structured_output=self.response_format.to_spec() if self.response_format else None,
         )
 
 
@@ -295,13 +340,6 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    # Only plain text: no constrained decoding.
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -320,8 +358,6 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    # Only {"type": "text"}.
-    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> "ChatCompletionRequest":

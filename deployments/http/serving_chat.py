@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from scheduler.admission import resolve_max_tokens
 from deployments.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from deployments.http.response_format import check_response_format
 from deployments.http.choice_streams import EngineStreamResponse
 from deployments.http.prompts import PromptTokenizer
 from deployments.http.protocol import ChatCompletionRequest
@@ -50,6 +51,7 @@ class ChatServing:
     async def create(self, request: ChatCompletionRequest, arrival_ts: float) -> JSONResponse | EngineStreamResponse:
         check_common(request, self.engine.model_name, self.limits, self.vocab_size)
         check_chat_messages(request, self.limits)
+        await check_response_format(request, self.engine, self.prompts)
         if request.ignored_fields:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
         token_ids = await self.prompts.chat_prompt(request.template_messages(), request.add_generation_prompt)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from scheduler.admission import resolve_max_tokens
 from deployments.engine.outputs import PositionLogprobs, RequestOutput
+from deployments.http.response_format import check_response_format
 from deployments.http.choice_streams import EngineStreamResponse
 from deployments.http.prompts import PromptTokenizer
 from deployments.http.protocol import CompletionRequest
@@ -79,6 +80,7 @@ class CompletionServing:
         check_common(request, self.engine.model_name, self.limits, self.vocab_size)
         prompt_list = request.prompt_list()
         check_completion_prompts(request, prompt_list, self.limits, self.vocab_size)
+        await check_response_format(request, self.engine, self.prompts)
         if request.ignored_fields:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
         prompts, prompt_texts = await self.prompts.completion_prompts(prompt_list, request.echo)
