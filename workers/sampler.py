@@ -67,7 +67,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     except Exception as exc:  # noqa: BLE001 - isolate the request that caused it
         if len(rows) == 1:
             logger.exception("sampling failed for one request")
-            return SamplerOutput([None], [None], {0: f"sampling failed: {type(exc).__name__}: {exc}"})
+            # What failed, not where: the trace is in the log, not in the client's response.
+            return SamplerOutput([None], [None], {0: f"sampling failed for this request ({type(exc).__name__})"})
         logger.warning("batched sampling failed (%s); sampling the %d rows one by one", exc, len(rows))
     merged = SamplerOutput([], [], {})
     for i, row in enumerate(rows):
