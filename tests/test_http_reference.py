@@ -91,9 +91,9 @@ def test_chat_logprobs_equal_hf(http, stream):
     prompt_ids = list(tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                       return_dict=True)["input_ids"])
     body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True,
-            "top_logprobs": 4, "ignore_eos": True, "stream_options": {"include_usage": True}} if stream else \
-        {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True, "top_logprobs": 4,
-         "ignore_eos": True}
+            "top_logprobs": 4, "ignore_eos": True}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     result = post(http, "/v1/chat/completions", body, stream)
     if stream:
         usage = result[-1]["usage"]
