@@ -29,6 +29,7 @@ from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.http.serving_chat import ChatServing
 from deployments.http.serving_completions import CompletionServing
 from deployments.http.serving_common import created_ts
+from deployments.http.tokenize import add_tokenize_routes
 from deployments.http.validation import RequestLimits
 from metrics.events import now
 
@@ -75,7 +76,9 @@ def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
     app = FastAPI(title="tpserve", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.health = health
     install_error_handlers(app)
-    add_openai_routes(app, engine, RequestLimits.from_config(config), pool)
+    limits = RequestLimits.from_config(config)
+    add_openai_routes(app, engine, limits, pool)
+    add_tokenize_routes(app, engine, limits, pool, vocab_size_of(engine))
     add_model_routes(app, engine)
     add_operations_routes(app, engine, health)
     return app
