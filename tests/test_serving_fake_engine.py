@@ -18,6 +18,7 @@ import pytest
 from deployments.http.api_server import make_api
 from deployments.engine.exceptions import EngineDeadError, EngineOverloadedError
 from deployments.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from scheduler.admission import AdmissionLimits
 from scheduler.sampling_params import SamplingParams
 
 
@@ -49,6 +50,9 @@ class FakeEngine:
 
     model_name = "fake-model"
     max_model_len = 64
+    # What AsyncEngine exposes for the HTTP layer's checks.
+    admission_limits = AdmissionLimits(max_model_len)
+    vocab_size = 1000
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()

@@ -20,7 +20,6 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from deployments.config import TpserveConfig
-from scheduler.admission import AdmissionLimits
 from deployments.http.body import parse_body
 from deployments.http.errors import APIError, install_error_handlers, model_not_found, not_found
 from deployments.http.health import HealthMonitor
@@ -45,15 +44,7 @@ def engine_config(engine: Any) -> TpserveConfig:
 
 def vocab_size_of(engine: Any) -> int:
     """Ids below this are valid everywhere: the tokenizer's size, capped by the model's vocabulary."""
-    size = len(engine.tokenizer)
-    model_vocab = getattr(engine, "vocab_size", None)
-    return min(size, model_vocab) if model_vocab else size
-
-
-def ensure_admission_limits(engine: Any) -> None:
-    """Engines expose `admission_limits`; older doubles only `max_model_len`."""
-    if getattr(engine, "admission_limits", None) is None:
-        engine.admission_limits = AdmissionLimits(engine.max_model_len)
+    return min(len(engine.tokenizer), engine.vocab_size)
 
 
 def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
@@ -62,7 +53,6 @@ def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
     config = engine_config(engine)
     pool = concurrent.futures.ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tpserve-tokenize")
     health = health if health is not None else HealthMonitor(engine, config.health_check_interval_s)
-    ensure_admission_limits(engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
