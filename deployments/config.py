@@ -79,6 +79,10 @@ class TpserveConfig(BaseModel):
     cpu_threads: int | None = Field(default=None, gt=0)
     # Run decode eagerly on GPU instead of replaying CUDA graphs.
     enforce_eager: bool = False
+    # "auto": sampling defaults from the model's generation_config.json (temperature, top_p,
+    # top_k, min_p, repetition_penalty, max tokens) fill what a request leaves out, as vLLM does;
+    # "ignore": the OpenAI defaults. EOS ids from that file apply either way.
+    generation_config: Literal["auto", "ignore"] = "auto"
     # Largest decode batch captured in a CUDA graph (capped by max_num_seqs).
     max_cuda_graph_batch_size: int = Field(default=256, gt=0)
 

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from deployments.engine.async_engine import AsyncEngine, RequestStream
-from deployments.engine.engine import read_eos_token_ids
+from deployments.engine.engine import merge_eos_token_ids
+from workers.generation_defaults import read_generation_defaults
 from deployments.engine.engine_metrics import EngineMetrics
 from deployments.engine.output_processor import OUTPUT_FAILED_MESSAGE
 from deployments.engine.outputs import RequestOutput
@@ -167,6 +168,10 @@ def test_any_of_several_eos_ids_stops_a_request():
 def test_the_engine_reads_every_eos_id_of_generation_config(tmp_path):
     class Tokenizer:
         eos_token_id = 99
+
+    def read_eos_token_ids(path: str, config_ids, tokenizer):
+        # "ignore" drops the sampling defaults, never the EOS ids.
+        return merge_eos_token_ids(config_ids, read_generation_defaults(path, "ignore"), tokenizer)
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128008, 128009]}))
     assert read_eos_token_ids(str(tmp_path), (128001,), Tokenizer()) == (128001, 128008, 128009)

@@ -65,6 +65,7 @@ class AsyncEngine:
         self.model_name = self.engine.served_model_name
         self.max_model_len = self.engine.max_model_len
         self.admission_limits = self.engine.admission_limits
+        self.generation_defaults = self.engine.generation_defaults
         self.vocab_size = self.engine.model_config.vocab_size
         self.metrics = EngineMetrics(
             make_stat_loggers(self.model_name, config, self.max_model_len), config.timeline_capacity,

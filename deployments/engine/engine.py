@@ -20,7 +20,7 @@ from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestUpdate, Scheduler
 from workers.executor import Executor
-from workers.generation_defaults import read_generation_defaults
+from workers.generation_defaults import GenerationDefaults, read_generation_defaults
 from workers.model_config import ModelConfig
 from workers.runtime import make_executor, resolve_dtype, set_cpu_threads, worker_device
 from workers.worker import WorkerConfig
@@ -52,10 +52,10 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
     )
 
 
-def read_eos_token_ids(model_path: str, config_ids: tuple[int, ...], tokenizer) -> tuple[int, ...]:
+def merge_eos_token_ids(config_ids: tuple[int, ...], defaults: GenerationDefaults, tokenizer) -> tuple[int, ...]:
     """Every id that ends generation: generation_config.json's `eos_token_id` (an int or, as in
     Llama 3, a list) together with config.json's; the tokenizer's EOS when neither names one."""
-    ids = [*config_ids, *read_generation_defaults(model_path, "ignore").eos_token_ids]
+    ids = [*config_ids, *defaults.eos_token_ids]
     if not ids and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(ids))
@@ -100,7 +100,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config)
         # What bounds one request here (the HTTP layer checks against the same object).
         self.admission_limits = AdmissionLimits(self.max_model_len, (num_blocks - 1) * config.block_size)
-        self.eos_token_ids = read_eos_token_ids(model_path, self.model_config.eos_token_ids, self.tokenizer)
+        # What the model's generation_config.json asks for where a request is silent.
+        self.generation_defaults = read_generation_defaults(model_path, config.generation_config)
+        self.eos_token_ids = merge_eos_token_ids(self.model_config.eos_token_ids, self.generation_defaults,
+                                                 self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
         # Grammar matchers for response_format requests; built on first use (xgrammar's
         # tokenizer tables take a moment and most deployments never constrain output).

@@ -12,12 +12,14 @@ Validation errors raised here become 400 OpenAI errors naming the field (deploym
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scheduler.sampling_params import SamplingParams, StructuredOutputSpec
+from workers.generation_defaults import GenerationDefaults
 
 # Most top logprobs a request may ask for (OpenAI's limit for chat; vLLM's default cap).
 MAX_LOGPROBS = 20
@@ -232,8 +234,18 @@ class SamplingRequest(BaseModel):
         """SamplingParams.logprobs: top-N per position, or None for no logprobs."""
         raise NotImplementedError
 
-    def to_sampling_params(self, max_tokens: int, choice_index: int) -> SamplingParams:
-        """The engine parameters of one choice: the seed is offset by the choice index."""
+    def to_sampling_params(self, max_tokens: int, choice_index: int,
+                           defaults: GenerationDefaults | None = None) -> SamplingParams:
+        """The engine parameters of one choice: the seed is offset by the choice index; the
+        model's generation_config.json `defaults` fill the sampling fields the client left out."""
+        params = self._client_sampling_params(max_tokens, choice_index)
+        if defaults is None:
+            return params
+        overrides = defaults.sampling_overrides(self.model_fields_set)
+        overrides.pop("max_tokens", None)  # the serving layer resolves the length cap
+        return dataclasses.replace(params, **overrides) if overrides else params
+
+    def _client_sampling_params(self, max_tokens: int, choice_index: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens),

@@ -19,7 +19,7 @@ from deployments.http.choice_streams import EngineStreamResponse
 from deployments.http.prompts import PromptTokenizer
 from deployments.http.protocol import ChatCompletionRequest
 from deployments.http.serving_common import ChoiceProgress, ResponseRun
-from deployments.http.validation import RequestLimits, check_chat_messages, check_common
+from deployments.http.validation import RequestLimits, check_chat_messages, check_common, model_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +56,12 @@ class ChatServing:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
         token_ids = await self.prompts.chat_prompt(request.template_messages(), request.add_generation_prompt)
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        defaults = getattr(self.engine, "generation_defaults", None)
         max_tokens = resolve_max_tokens(
-            request.requested_max_tokens(), None, len(token_ids), self.engine.admission_limits, "messages",
-            max_tokens_param,
+            request.requested_max_tokens(), model_max_tokens(defaults, None), len(token_ids),
+            self.engine.admission_limits, "messages", max_tokens_param,
         )
-        params = [request.to_sampling_params(max_tokens, i) for i in range(request.n)]
+        params = [request.to_sampling_params(max_tokens, i, defaults) for i in range(request.n)]
         object_name = "chat.completion.chunk" if request.stream else "chat.completion"
         run = ResponseRun.create(self.engine, request, "chatcmpl", object_name, [token_ids], [params], arrival_ts)
 

@@ -20,7 +20,7 @@ from deployments.http.choice_streams import EngineStreamResponse
 from deployments.http.prompts import PromptTokenizer
 from deployments.http.protocol import CompletionRequest
 from deployments.http.serving_common import ChoiceProgress, ResponseRun
-from deployments.http.validation import RequestLimits, check_common, check_completion_prompts
+from deployments.http.validation import RequestLimits, check_common, check_completion_prompts, model_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +84,14 @@ class CompletionServing:
         if request.ignored_fields:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
         prompts, prompt_texts = await self.prompts.completion_prompts(prompt_list, request.echo)
+        defaults = getattr(self.engine, "generation_defaults", None)
         params = []
         for token_ids in prompts:
             max_tokens = resolve_max_tokens(
-                request.max_tokens, DEFAULT_MAX_TOKENS, len(token_ids), self.engine.admission_limits, "prompt"
+                request.max_tokens, model_max_tokens(defaults, DEFAULT_MAX_TOKENS), len(token_ids),
+                self.engine.admission_limits, "prompt"
             )
-            params.append([request.to_sampling_params(max_tokens, i) for i in range(request.n)])
+            params.append([request.to_sampling_params(max_tokens, i, defaults) for i in range(request.n)])
         run = ResponseRun.create(self.engine, request, "cmpl", "text_completion", prompts, params, arrival_ts)
         # Per choice: the echoed prompt text ("" without echo), and its logprobs when asked.
         echoes = [prompt_texts[c.spec.prompt_index] if request.echo else "" for c in run.choices]

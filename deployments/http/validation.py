@@ -51,6 +51,13 @@ class RequestLimits:
         )
 
 
+def model_max_tokens(defaults: Any, fallback: int | None) -> int | None:
+    """The output cap when the client names none: generation_config.json's max_new_tokens,
+    else the endpoint's own default (None = as much as the context leaves)."""
+    value = getattr(defaults, "max_tokens", None)
+    return value if value is not None else fallback
+
+
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise model_not_found(requested)
