@@ -20,6 +20,7 @@ from deployments.http.prompts import PromptTokenizer
 from deployments.http.protocol import ChatCompletionRequest
 from deployments.http.serving_common import ChoiceProgress, ResponseRun
 from deployments.http.validation import RequestLimits, check_chat_messages, check_common, model_max_tokens
+from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ class ChatServing:
         # Token ids must be below this.
         self.vocab_size = vocab_size
 
-    async def create(self, request: ChatCompletionRequest, arrival_ts: float) -> JSONResponse | EngineStreamResponse:
+    async def _prepare(self, request: ChatCompletionRequest) -> tuple[list[int], list[SamplingParams]]:
+        """Every check, then the prompt's token ids and each choice's parameters."""
         check_common(request, self.engine.model_name, self.limits, self.vocab_size)
         check_chat_messages(request, self.limits)
         await check_response_format(request, self.engine, self.prompts)
@@ -61,7 +63,10 @@ class ChatServing:
             request.requested_max_tokens(), model_max_tokens(defaults, None), len(token_ids),
             self.engine.admission_limits, "messages", max_tokens_param,
         )
-        params = [request.to_sampling_params(max_tokens, i, defaults) for i in range(request.n)]
+        return token_ids, [request.to_sampling_params(max_tokens, i, defaults) for i in range(request.n)]
+
+    async def create(self, request: ChatCompletionRequest, arrival_ts: float) -> JSONResponse | EngineStreamResponse:
+        token_ids, params = await self._prepare(request)
         object_name = "chat.completion.chunk" if request.stream else "chat.completion"
         run = ResponseRun.create(self.engine, request, "chatcmpl", object_name, [token_ids], [params], arrival_ts)
 
