@@ -25,12 +25,14 @@ PERSON = {
 ITEMS = {
     "type": "object",
     "properties": {
-        "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 4},
+        "items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                  "minItems": 1, "maxItems": 4},
         "done": {"type": "boolean"},
     },
     "required": ["items", "done"],
 }
-# Room to finish any of the schemas above (a small model may fill strings to their max length).
+# Room to finish any of the schemas above: every string, number and array in them is bounded, so
+# a constrained request always ends by its grammar, never by length.
 MAX_TOKENS = 96
 
 
@@ -90,7 +92,9 @@ def test_sampled_schema_json_object_and_ignore_eos_in_one_batch(engine):
                                        structured_output=StructuredOutputSpec("json_schema", json.dumps(ITEMS))))
     out = run_with_reasons(engine, reqs)
     for i in range(3):
-        jsonschema.validate(json.loads(decode(engine, out[f"s{i}"][0])), ITEMS)
+        tokens, reason = out[f"s{i}"]
+        assert reason == "stop", "a bounded schema must end by its grammar"
+        jsonschema.validate(json.loads(decode(engine, tokens)), ITEMS)
     obj_tokens, obj_reason = out["obj"]
     text = decode(engine, obj_tokens)
     # Free-form JSON may be longer than max_tokens; when the grammar ended it, it must parse.
