@@ -16,7 +16,7 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "city": {"type": "string", "enum": ["Paris", "Lyon"]},
-        "population": {"type": "integer", "minimum": 0},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
     },
     "required": ["city", "population"],
 }
