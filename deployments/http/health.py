@@ -57,7 +57,8 @@ class HealthMonitor:
         try:
             ok = await asyncio.wait_for(asyncio.shield(self._inflight), self.timeout_s)
         except Exception:  # noqa: BLE001 - any failure of the check itself means unhealthy
-            logger.warning("engine health check failed", exc_info=True)
+            # The trace once, when it starts failing; not again every interval.
+            logger.warning("engine health check failed", exc_info=self._healthy)
             ok = False
         if self._healthy and not ok:
             logger.error("the engine is unhealthy")
