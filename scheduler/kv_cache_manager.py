@@ -55,7 +55,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, in whole blocks, leaving >= 1 token to compute."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position's logits: cached positions have none.
             return [], 0
         # The last token must be computed to get logits, so at most num_tokens - 1 are hits.
         max_blocks = (request.num_tokens - 1) // self.block_size

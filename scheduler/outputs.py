@@ -71,11 +71,26 @@ class SampledLogprobs:
 
 
 @dataclass
+class PromptPositionLogprobs:
+    # Index in the prompt of the token scored here (1.. num_prompt_tokens - 1; the first prompt
+    # token has no logprob). Lets the engine drop positions it already has (a preempted request
+    # recomputes its prompt).
+    position: int
+    # (token id, logprob, rank) of the actual prompt token; rank 1 = the most likely token.
+    actual: tuple[int, float, int]
+    # The top-N (token id, logprob) pairs, most likely first (rank = index + 1).
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class ModelRunnerOutput:
     # Sampled token ids per request id; a request whose prefill chunk is partial is absent.
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Logprobs per request id, one entry per sampled token, for requests that asked.
     logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
+    # Prompt logprobs per request id for the prompt positions computed this step, in order, for
+    # requests with SamplingParams.prompt_logprobs (absent for the others).
+    prompt_logprobs: dict[str, list[PromptPositionLogprobs]] = field(default_factory=dict)
     # Seconds the model forward (plus sampling) took on the slowest rank.
     forward_time: float = 0.0
     # Request id -> why it got no token this step (non-finite logits, a sampler error, every

@@ -48,6 +48,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # Return this many top logprobs per sampled position (None = no logprobs).
     logprobs: int | None = None
+    # Return, for every prompt token after the first, its logprob and rank plus this many top
+    # alternatives (vLLM's prompt_logprobs; None = none). Such a request takes no prefix-cache
+    # hits: cached positions have no logits.
+    prompt_logprobs: int | None = None
     # Skip special tokens when detokenizing.
     skip_special_tokens: bool = True
     # Constrain the output to a grammar (None = free text). The engine keeps the matcher.

@@ -20,6 +20,7 @@ from scheduler.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    PromptPositionLogprobs,
     SampledLogprobs,
     SchedulerOutput,
 )
@@ -42,6 +43,9 @@ class RequestUpdate:
     new_token_ids: list[int] = field(default_factory=list)
     # Logprobs of those tokens when asked.
     new_logprobs: list[SampledLogprobs] | None = None
+    # Prompt logprobs of the prompt positions computed this step (requests that asked; a
+    # recomputation after preemption repeats positions, which the engine drops by position).
+    new_prompt_logprobs: list[PromptPositionLogprobs] | None = None
 
 
 class Scheduler:
@@ -255,6 +259,7 @@ class Scheduler:
                 # Sampling (non-finite logits, ...) or stop handling failed for this request alone.
                 request.error = error
                 update, status = RequestUpdate(request), RequestStatus.FINISHED_ABORTED
+            update.new_prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
             updates.append(update)
             if status is not None:
                 finished.append((request, status))

@@ -13,8 +13,8 @@ import logging
 from collections.abc import Callable
 
 from deployments.engine.detokenizer import IncrementalDetokenizer
-from deployments.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
-from scheduler.outputs import SampledLogprobs
+from deployments.engine.outputs import PositionLogprobs, PromptTokenLogprob, RequestOutput, TokenLogprob
+from scheduler.outputs import PromptPositionLogprobs, SampledLogprobs
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import RequestUpdate
 
@@ -34,11 +34,15 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._finish_requests = finish_requests
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Request id -> prompt logprobs decoded so far (requests that asked), until delivered.
+        self._prompt_logprobs: dict[str, list[list[PromptTokenLogprob] | None]] = {}
 
     def add_request(self, request: Request) -> None:
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.sampling_params
         )
+        if request.sampling_params.prompt_logprobs is not None:
+            self._prompt_logprobs[request.request_id] = [None]  # the first token has none
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._detokenizers
@@ -58,6 +62,8 @@ class OutputProcessor:
         request = update.request
         detokenizer = self._detokenizers[request.request_id]
         detokenizer.add_tokens(update.new_token_ids)
+        if update.new_prompt_logprobs:
+            self._add_prompt_logprobs(request.request_id, update.new_prompt_logprobs)
         if detokenizer.stopped_by_string and not request.status.is_finished:
             self._finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         return self.make_output(request, update.new_token_ids, update.new_logprobs)
@@ -78,12 +84,14 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_prompt_tokens,
             new_events=request.take_events(),
             error=request.error,
+            prompt_logprobs=self._take_prompt_logprobs(request, finished),
         )
 
     def fail(self, request: Request, message: str) -> RequestOutput:
         """End `request` alone with finish_reason "abort" and `message` (frees its KV blocks)."""
         self._finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request.request_id, None)
+        self._prompt_logprobs.pop(request.request_id, None)
         request.error = message
         return RequestOutput(
             request_id=request.request_id, new_token_ids=[], new_text="", new_logprobs=None,
@@ -100,6 +108,28 @@ class OutputProcessor:
                              [self._token_logprob(tid, value) for tid, value in position.top])
             for position in logprobs
         ]
+
+    def _add_prompt_logprobs(self, request_id: str, positions: list[PromptPositionLogprobs]) -> None:
+        """Decode and append the positions not seen yet (a recomputed prompt repeats some)."""
+        collected = self._prompt_logprobs.get(request_id)
+        if collected is None:
+            return
+        for position in positions:
+            if position.position != len(collected):
+                continue
+            token_id, logprob, rank = position.actual
+            entries = [PromptTokenLogprob(token_id, self.tokenizer.decode([token_id]), logprob, rank)]
+            entries += [PromptTokenLogprob(tid, self.tokenizer.decode([tid]), value, n + 1)
+                        for n, (tid, value) in enumerate(position.top) if tid != token_id]
+            collected.append(entries)
+
+    def _take_prompt_logprobs(self, request: Request, finished: bool) -> list[list[PromptTokenLogprob] | None] | None:
+        """The whole list once the prompt is done (first output token) or the request ended."""
+        if request.request_id not in self._prompt_logprobs:
+            return None
+        if request.num_output_tokens == 0 and not finished:
+            return None
+        return self._prompt_logprobs.pop(request.request_id)
 
     def _token_logprob(self, token_id: int, logprob: float) -> TokenLogprob:
         return TokenLogprob(token_id, self.tokenizer.decode([token_id]), logprob)

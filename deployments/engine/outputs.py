@@ -26,6 +26,18 @@ class PositionLogprobs:
 
 
 @dataclass
+class PromptTokenLogprob:
+    # The token id.
+    token_id: int
+    # Its decoded text.
+    decoded_token: str
+    # Natural-log probability under the model's raw distribution at that prompt position.
+    logprob: float
+    # 1 = the most likely token at that position.
+    rank: int
+
+
+@dataclass
 class RequestOutput:
     # The engine request id (one per choice when n > 1).
     request_id: str
@@ -49,6 +61,10 @@ class RequestOutput:
     new_events: list[RequestEvent] = field(default_factory=list)
     # Set when the request ended because of an engine error (finish_reason "abort").
     error: str | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs), all at once on the output where the
+    # prompt's prefill completed (or the final one): one entry per prompt token, None for the
+    # first, else the actual token first, then the top-N not already listed.
+    prompt_logprobs: list[list[PromptTokenLogprob] | None] | None = None
 
     def merge(self, later: "RequestOutput") -> None:
         """Fold the next output of the same request into this one (a consumer slower than the
@@ -63,3 +79,5 @@ class RequestOutput:
         self.num_output_tokens = later.num_output_tokens
         self.num_cached_tokens = later.num_cached_tokens
         self.error = later.error
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs

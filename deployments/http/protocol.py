@@ -147,6 +147,8 @@ class SamplingRequest(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Constrain the output to JSON (any object, or valid against a schema); both endpoints.
     response_format: ResponseFormat | None = None
+    # vLLM extension (completions only): per prompt token, its logprob and rank + this many top.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod
@@ -261,6 +263,7 @@ class SamplingRequest(BaseModel):
             stop=self.stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.top_logprobs_count(),
+            prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias_pairs(),
             cache_salt=self.cache_salt,
@@ -379,6 +382,8 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("tool_choice / function_call are not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is supported on /v1/completions only")
         limit = self.requested_max_tokens()
         if limit is not None and self.min_tokens > limit:
             raise ValueError("min_tokens must not exceed max_completion_tokens")

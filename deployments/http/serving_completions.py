@@ -14,7 +14,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from scheduler.admission import resolve_max_tokens
-from deployments.engine.outputs import PositionLogprobs, RequestOutput
+from deployments.engine.outputs import PositionLogprobs, PromptTokenLogprob, RequestOutput
 from deployments.http.response_format import check_response_format
 from deployments.http.choice_streams import EngineStreamResponse
 from deployments.http.prompts import PromptTokenizer
@@ -64,6 +64,18 @@ class CompletionLogprobs:
         }
 
 
+def prompt_logprobs_json(entries: list[list[PromptTokenLogprob] | None]) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the actual token and the top-N."""
+    return [
+        None if entry is None else {
+            str(t.token_id): {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.decoded_token}
+            for t in entry
+        }
+        for entry in entries
+    ]
+
+
 class CompletionServing:
     """Serves /v1/completions on one AsyncEngine."""
 
@@ -97,40 +109,61 @@ class CompletionServing:
         echoes = [prompt_texts[c.spec.prompt_index] if request.echo else "" for c in run.choices]
         logprobs = [CompletionLogprobs(len(e)) if request.logprobs is not None else None for e in echoes]
 
+        wants_prompt_lp = request.prompt_logprobs is not None
         if request.stream:
-            echoed: set[int] = set()
+            return await self._stream(run, echoes, logprobs, wants_prompt_lp)
+        return await self._whole(run, echoes, logprobs, wants_prompt_lp)
 
-            def render_delta(choice: ChoiceProgress, out: RequestOutput) -> dict[str, Any] | None:
-                index = choice.spec.index
-                text = out.new_text
-                if index not in echoed:
-                    echoed.add(index)
-                    text = echoes[index] + text
-                chosen = logprobs[index]
-                lp = chosen.add(out.new_logprobs) if chosen is not None and out.new_logprobs else None
-                if not text and not lp:
-                    return None
-                return {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+    @staticmethod
+    async def _stream(run: ResponseRun, echoes: list[str], logprobs: list[CompletionLogprobs | None],
+                      wants_prompt_lp: bool) -> EngineStreamResponse:
+        echoed: set[int] = set()
 
-            def render_finish(choice: ChoiceProgress) -> dict[str, Any]:
-                return {"index": choice.spec.index, "text": "", "logprobs": None, "finish_reason": choice.finish_reason}
+        def render_delta(choice: ChoiceProgress, out: RequestOutput) -> dict[str, Any] | None:
+            index = choice.spec.index
+            text = out.new_text
+            if index not in echoed and wants_prompt_lp and out.prompt_logprobs is None and not text:
+                return None  # the choice's first chunk carries its prompt logprobs (vLLM)
+            if index not in echoed:
+                echoed.add(index)
+                text = echoes[index] + text
+            chosen = logprobs[index]
+            lp = chosen.add(out.new_logprobs) if chosen is not None and out.new_logprobs else None
+            if not text and not lp and out.prompt_logprobs is None:
+                return None
+            delta = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+            if out.prompt_logprobs is not None:
+                delta["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+            return delta
 
-            return await run.stream_response(render_delta, render_finish)
+        def render_finish(choice: ChoiceProgress) -> dict[str, Any]:
+            return {"index": choice.spec.index, "text": "", "logprobs": None, "finish_reason": choice.finish_reason}
+
+        return await run.stream_response(render_delta, render_finish)
+
+    @staticmethod
+    async def _whole(run: ResponseRun, echoes: list[str], logprobs: list[CompletionLogprobs | None],
+                     wants_prompt_lp: bool) -> JSONResponse:
+        prompt_lps: list[list[dict[str, dict] | None] | None] = [None] * len(run.choices)
 
         def on_output(choice: ChoiceProgress, out: RequestOutput) -> None:
+            if out.prompt_logprobs is not None:
+                prompt_lps[choice.spec.index] = prompt_logprobs_json(out.prompt_logprobs)
             chosen = logprobs[choice.spec.index]
             if chosen is not None and out.new_logprobs:
                 chosen.add(out.new_logprobs)
 
         await run.collect(on_output)
-        return run.whole_response(
-            [
-                {
-                    "index": choice.spec.index,
-                    "text": echo + choice.text,
-                    "logprobs": lp.as_dict() if lp is not None else None,
-                    "finish_reason": choice.finish_reason,
-                }
-                for choice, echo, lp in zip(run.choices, echoes, logprobs)
-            ]
-        )
+        choices = [
+            {
+                "index": choice.spec.index,
+                "text": echo + choice.text,
+                "logprobs": lp.as_dict() if lp is not None else None,
+                "finish_reason": choice.finish_reason,
+            }
+            for choice, echo, lp in zip(run.choices, echoes, logprobs)
+        ]
+        if wants_prompt_lp:
+            for entry, prompt_lp in zip(choices, prompt_lps):
+                entry["prompt_logprobs"] = prompt_lp
+        return run.whole_response(choices)
