@@ -52,3 +52,27 @@ def test_an_impossible_group_fails_at_deploy_time_with_both_sides_and_a_remedy(r
     relaxed = TpserveConfig(tensor_parallel_size=total_cpus + 1, check_placement_fits=False)
     assert serve_deployment_ray_options(relaxed, use_gpu=False)["placement_group_strategy"] == "STRICT_PACK"
     serve_deployment_ray_options(TpserveConfig(tensor_parallel_size=2), use_gpu=False)
+
+
+def test_tpserve_serve_starts_a_local_ray_big_enough_for_the_tp_degree(monkeypatch, tmp_path):
+    import ray
+
+    from deployments import cli
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 2)
+    namespace = cli.make_parser().parse_args(
+        ["serve", "--model", str(tmp_path), "--tensor-parallel-size", "3"]
+    )
+    with pytest.raises(Stop):
+        cli.serve_command(namespace)
+    assert seen["address"] == "local" and seen["num_cpus"] >= 4  # 3 ranks + the replica
