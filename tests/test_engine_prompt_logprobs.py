@@ -13,7 +13,7 @@ from scheduler.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPTS, _hf_model, hf_greedy, make_engine
 from tests.model_fixtures import default_model_path
 from workers.input_batch import CachedRequestState
-from workers.prompt_logprobs import plan_prompt_logprobs
+from workers.prompt_logprobs import mark_scored, plan_prompt_logprobs
 
 TOLERANCE = 1e-3
 MAX_TOKENS = 3
@@ -125,3 +125,14 @@ def test_plan_rows_follow_the_runner_layout():
     assert plan.target_ids == [100 + p for p in plan.positions]
     assert plan.num_top == {"one": 1, "chunk_a": 2, "tail": 0}
     assert plan_prompt_logprobs({"decode": 1}, states) is None
+
+
+def test_plan_skips_positions_scored_before_a_preemption():
+    """A prompt recomputed after preemption is not scored again; only new positions are."""
+    state = _state("resumed", 12, 0, 3)
+    state.num_prompt_logprobs_scored = 6  # tokens 1..6 were scored before the preemption
+    assert plan_prompt_logprobs({"resumed": 4}, {"resumed": state}) is None
+    plan = plan_prompt_logprobs({"resumed": 8}, {"resumed": state})
+    assert plan.rows == [6, 7] and plan.positions == [7, 8]
+    mark_scored(plan, {"resumed": state})
+    assert state.num_prompt_logprobs_scored == 8

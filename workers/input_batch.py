@@ -26,6 +26,9 @@ class CachedRequestState:
     num_computed_tokens: int
     # Per-request generator when seeded (rank 0 samples).
     generator: torch.Generator | None
+    # Prompt tokens scored for prompt_logprobs so far (up to this index): a prompt recomputed
+    # after preemption is not scored again.
+    num_prompt_logprobs_scored: int = 0
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -21,7 +21,7 @@ from workers.cuda_graph import CudaGraphRunner, is_decode_only
 from workers.decode_inputs import DecodeBatch, decode_mask, make_decode_batch, padded_block_tables, slot_of
 from workers.input_batch import CachedRequestState, RequestStates
 from workers.decoder import DecoderForCausalLM
-from workers.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
+from workers.prompt_logprobs import compute_prompt_logprobs, mark_scored, plan_prompt_logprobs
 from workers.sampler import SamplingRow, sample
 
 
@@ -68,6 +68,7 @@ class ModelRunner:
         plan = plan_prompt_logprobs(out.num_scheduled_tokens, self.requests.states)
         if plan is not None:
             prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, plan)
+            mark_scored(plan, self.requests.states)
             if result is not None and prompt_logprobs:
                 result.prompt_logprobs = prompt_logprobs
         for req_id, num in out.num_scheduled_tokens.items():

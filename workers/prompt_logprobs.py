@@ -54,8 +54,9 @@ def plan_prompt_logprobs(num_scheduled_tokens: Mapping[str, int],
         num = num_scheduled_tokens[req_id]
         if state.params.prompt_logprobs is not None:
             start = state.num_computed_tokens
+            first = max(start, state.num_prompt_logprobs_scored)  # not again after a preemption
             # Position p's logits score prompt token p + 1; the last prompt position samples.
-            for pos in range(start, min(start + num, state.num_prompt_tokens - 1)):
+            for pos in range(first, min(start + num, state.num_prompt_tokens - 1)):
                 plan.req_ids.append(req_id)
                 plan.rows.append(first_row + pos - start)
                 plan.target_ids.append(state.token_ids[pos + 1])
@@ -63,6 +64,12 @@ def plan_prompt_logprobs(num_scheduled_tokens: Mapping[str, int],
             plan.num_top[req_id] = max(state.params.prompt_logprobs, 0)
         first_row += num
     return plan if plan.rows else None
+
+
+def mark_scored(plan: PromptLogprobPlan, states: Mapping[str, CachedRequestState]) -> None:
+    """Remember how far each request's prompt is scored (on every rank, like the plan)."""
+    for req_id, position in zip(plan.req_ids, plan.positions):
+        states[req_id].num_prompt_logprobs_scored = position
 
 
 def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor,
