@@ -49,9 +49,9 @@ def prompt_ids(engine, text: str) -> list[int]:
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
-def constrained(schema: dict | None, **kwargs) -> SamplingParams:
+def constrained(schema: dict | None, max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:
     spec = StructuredOutputSpec("json_object") if schema is None else StructuredOutputSpec("json_schema", json.dumps(schema))
-    return SamplingParams(max_tokens=MAX_TOKENS, structured_output=spec, **kwargs)
+    return SamplingParams(max_tokens=max_tokens, structured_output=spec, **kwargs)
 
 
 def decode(engine, ids: list[int]) -> str:
