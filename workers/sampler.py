@@ -87,10 +87,12 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 def _sample_batch(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     processed = apply_request_processors(logits, rows)
     token_ids = processed.argmax(dim=-1)  # right for every greedy row
-    # Row reductions rather than [R, V] masks: NaN and +-inf make max - min non-finite.
-    low, high = torch.aminmax(logits, dim=-1)
-    finite = (high - low).isfinite()
-    allowed = (high if processed is logits else processed.amax(dim=-1)) > float("-inf")  # NaN: False
+    # No extra pass over the logits: argmax lands on a NaN or +inf if the row has one, so the
+    # largest value alone says whether the row is finite (-inf entries are harmless masks) and
+    # whether any token is left (-inf or NaN: none).
+    top = processed.gather(1, token_ids[:, None]).squeeze(1)
+    finite = (top if processed is logits else logits.amax(dim=-1)).isfinite()
+    allowed = top > float("-inf")
     sampling = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampling:
         drawn, drawn_ok = draw(processed, rows, sampling)
