@@ -114,3 +114,35 @@ def test_bad_prompt_logprobs_is_a_400(live, path, body):
     reply = post(live, path, {"max_tokens": 1, **body})
     assert reply.status == 400, reply.text
     assert "prompt_logprobs" in reply.text
+
+
+def test_echo_with_logprobs_lists_the_prompt_tokens_first(live, prompt_ids):
+    """Legacy echo + logprobs (vLLM): the prompt's tokens lead tokens/token_logprobs/top_logprobs
+    (the first with null logprobs), with the prompt logprobs' values; generated tokens follow."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2, "prompt_logprobs": 2}
+    reply = post(live, "/v1/completions", body)
+    assert reply.status == 200, reply.text
+    choice = json.loads(reply.text)["choices"][0]
+    lp, prompt_lp = choice["logprobs"], choice["prompt_logprobs"]
+    num_prompt = len(prompt_ids)
+    assert len(lp["tokens"]) == num_prompt + 2
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+    for k in range(1, num_prompt):
+        actual = prompt_lp[k][str(prompt_ids[k])]
+        assert lp["tokens"][k] == actual["decoded_token"]
+        assert lp["token_logprobs"][k] == actual["logprob"]
+        assert 2 <= len(lp["top_logprobs"][k]) <= 3
+    assert lp["text_offset"][num_prompt] == len(PROMPT) and choice["text"].startswith(PROMPT)
+    assert all(v is not None for v in lp["token_logprobs"][num_prompt:])
+
+    reply = post(live, "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(line[len("data: "):]) for line in reply.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            for key in streamed:
+                streamed[key] += (c["logprobs"] or {}).get(key, [])
+    assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+    assert streamed["token_logprobs"][0] is None
+    assert all(abs(a - b) < TOLERANCE for a, b in zip(streamed["token_logprobs"][1:], lp["token_logprobs"][1:]))

@@ -81,7 +81,6 @@ def test_out_of_range_values_name_their_field(field, value):
     [
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3, "n": 2}, "best_of"),
-        ({"echo": True, "logprobs": 1}, "echo"),
         ({"logit_bias": {"a": 5}}, "logit_bias"),
         ({"logit_bias": {"1": 101}}, "logit_bias"),
         ({"logit_bias": {"²": 1}}, "logit_bias"),

@@ -4,7 +4,7 @@ Unknown fields are ignored, as vLLM does (and unlike OpenAI, which rejects them)
 SDKs routinely send fields a server has no use for (`store`, `metadata`, `service_tier`, ...),
 and breaking them buys nothing. The serving layer logs the names it ignored. Fields that OpenAI
 defines but tpserve cannot honour (`suffix`, tools,
-`best_of` > n, prompt logprobs through `echo`) are declared here and rejected with a 400, so a
+`best_of` > n) are declared here and rejected with a 400, so a
 client never silently gets something other than what it asked for.
 
 Validation errors raised here become 400 OpenAI errors naming the field (deployments/http/errors.py).
@@ -236,6 +236,9 @@ class SamplingRequest(BaseModel):
         """SamplingParams.logprobs: top-N per position, or None for no logprobs."""
         raise NotImplementedError
 
+    def prompt_logprobs_count(self) -> int | None:
+        return self.prompt_logprobs
+
     def to_sampling_params(self, max_tokens: int, choice_index: int,
                            defaults: GenerationDefaults | None = None) -> SamplingParams:
         """The engine parameters of one choice: the seed is offset by the choice index; the
@@ -263,7 +266,7 @@ class SamplingRequest(BaseModel):
             stop=self.stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.top_logprobs_count(),
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs_count(),
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias_pairs(),
             cache_salt=self.cache_salt,
@@ -305,12 +308,15 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (server-side ranking is not supported)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
         return self
 
     def top_logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        # echo + logprobs lists the prompt's tokens too (legacy format), from prompt logprobs.
+        echoed = self.logprobs if self.echo else None
+        return max((n for n in (self.prompt_logprobs, echoed) if n is not None), default=None)
 
     def prompt_list(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a token-id list."""

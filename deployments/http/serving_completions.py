@@ -31,17 +31,28 @@ DEFAULT_MAX_TOKENS = 16
 class CompletionLogprobs:
     """The legacy `logprobs` object of one choice: tokens, token_logprobs, top_logprobs, text_offset."""
 
-    def __init__(self, start_offset: int) -> None:
+    def __init__(self, start_offset: int, num_top: int = 0, echo_first_token: str | None = None) -> None:
         # Character offset of the next token in the choice's text (echoed prompt included).
-        self._offset = start_offset
+        self._offset = 0 if echo_first_token is not None else start_offset
+        # Where the generated text starts (after the echoed prompt).
+        self._generated_offset = start_offset
+        # Top alternatives per position (the request's `logprobs`).
+        self._num_top = num_top
+        # With echo: the prompt's first token (it has no logprob); the prompt's positions then
+        # lead the lists, as vLLM does, once its prompt logprobs arrive. None = no echo.
+        self._echo_first_token = echo_first_token
         self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
-        self.top_logprobs: list[dict[str, float]] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
 
-    def add(self, positions: list[PositionLogprobs]) -> dict[str, list]:
-        """Append positions; return the same four fields for just these (a streaming chunk's)."""
+    def add(self, positions: list[PositionLogprobs],
+            prompt: list[list[PromptTokenLogprob] | None] | None = None) -> dict[str, list]:
+        """Append positions (after the echoed prompt's, when `prompt` brings them); return the
+        same four fields for just these (a streaming chunk's)."""
         delta: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if prompt is not None and self._echo_first_token is not None:
+            self._add_prompt(prompt, delta)
         for pos in positions:
             # OpenAI: the top N plus the sampled token, so up to N + 1 entries.
             top = {t.token: t.logprob for t in pos.top}
@@ -54,6 +65,22 @@ class CompletionLogprobs:
         for key, values in delta.items():
             getattr(self, key).extend(values)
         return delta
+
+    def _add_prompt(self, prompt: list[list[PromptTokenLogprob] | None], delta: dict[str, list]) -> None:
+        for entry in prompt:
+            if entry is None:  # the first prompt token
+                token, logprob, top = self._echo_first_token, None, None
+            else:
+                actual = entry[0]
+                token, logprob = actual.decoded_token, actual.logprob
+                top = {t.decoded_token: t.logprob for t in entry[1:] if t.rank <= self._num_top}
+                top.setdefault(token, logprob)
+            delta["tokens"].append(token)
+            delta["token_logprobs"].append(logprob)
+            delta["top_logprobs"].append(top)
+            delta["text_offset"].append(self._offset)
+            self._offset += len(token)
+        self._offset = self._generated_offset
 
     def as_dict(self) -> dict[str, list]:
         return {
@@ -96,6 +123,7 @@ class CompletionServing:
         if request.ignored_fields:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
         prompts, prompt_texts = await self.prompts.completion_prompts(prompt_list, request.echo)
+        firsts = await self._echo_first_tokens(request, prompts)
         defaults = getattr(self.engine, "generation_defaults", None)
         params = []
         for token_ids in prompts:
@@ -107,32 +135,45 @@ class CompletionServing:
         run = ResponseRun.create(self.engine, request, "cmpl", "text_completion", prompts, params, arrival_ts)
         # Per choice: the echoed prompt text ("" without echo), and its logprobs when asked.
         echoes = [prompt_texts[c.spec.prompt_index] if request.echo else "" for c in run.choices]
-        logprobs = [CompletionLogprobs(len(e)) if request.logprobs is not None else None for e in echoes]
-
+        logprobs = [
+            CompletionLogprobs(len(e), request.logprobs, firsts[c.spec.prompt_index] if firsts else None)
+            if request.logprobs is not None else None
+            for c, e in zip(run.choices, echoes)
+        ]
         wants_prompt_lp = request.prompt_logprobs is not None
         if request.stream:
-            return await self._stream(run, echoes, logprobs, wants_prompt_lp)
+            return await self._stream(run, echoes, logprobs, wants_prompt_lp, firsts is not None)
         return await self._whole(run, echoes, logprobs, wants_prompt_lp)
+
+    async def _echo_first_tokens(self, request: CompletionRequest, prompts: list[list[int]]) -> list[str] | None:
+        """Each prompt's first token text when echo lists the prompt's logprobs, else None."""
+        if not request.echo or request.logprobs is None:
+            return None
+        tokenizer = self.prompts.tokenizer
+        return await self.prompts.run(lambda: [tokenizer.decode([p[0]]) for p in prompts])
 
     @staticmethod
     async def _stream(run: ResponseRun, echoes: list[str], logprobs: list[CompletionLogprobs | None],
-                      wants_prompt_lp: bool) -> EngineStreamResponse:
+                      wants_prompt_lp: bool, echoes_logprobs: bool) -> EngineStreamResponse:
         echoed: set[int] = set()
+        hold = wants_prompt_lp or echoes_logprobs
 
         def render_delta(choice: ChoiceProgress, out: RequestOutput) -> dict[str, Any] | None:
             index = choice.spec.index
             text = out.new_text
-            if index not in echoed and wants_prompt_lp and out.prompt_logprobs is None and not text:
+            if index not in echoed and hold and out.prompt_logprobs is None and not text:
                 return None  # the choice's first chunk carries its prompt logprobs (vLLM)
             if index not in echoed:
                 echoed.add(index)
                 text = echoes[index] + text
             chosen = logprobs[index]
-            lp = chosen.add(out.new_logprobs) if chosen is not None and out.new_logprobs else None
-            if not text and not lp and out.prompt_logprobs is None:
+            has_lp = out.new_logprobs or out.prompt_logprobs is not None
+            lp = chosen.add(out.new_logprobs or [], out.prompt_logprobs) if chosen is not None and has_lp else None
+            sends_prompt_lp = wants_prompt_lp and out.prompt_logprobs is not None
+            if not text and not lp and not sends_prompt_lp:
                 return None
             delta = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
-            if out.prompt_logprobs is not None:
+            if sends_prompt_lp:
                 delta["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
             return delta
 
@@ -150,8 +191,8 @@ class CompletionServing:
             if out.prompt_logprobs is not None:
                 prompt_lps[choice.spec.index] = prompt_logprobs_json(out.prompt_logprobs)
             chosen = logprobs[choice.spec.index]
-            if chosen is not None and out.new_logprobs:
-                chosen.add(out.new_logprobs)
+            if chosen is not None and (out.new_logprobs or out.prompt_logprobs is not None):
+                chosen.add(out.new_logprobs or [], out.prompt_logprobs)
 
         await run.collect(on_output)
         choices = [
