@@ -115,6 +115,21 @@ def level_ratios(t: dict, v: dict) -> dict:
     }
 
 
+def make_workloads(tokenizer, levels: list[int], args) -> dict[int, list]:
+    """One workload per level, built once, so both servers get exactly the same prompts."""
+    return {c: random_requests(tokenizer, max(8, args.prompts_per_stream * c), args.input_len_min,
+                               args.input_len_max, args.output_len, args.seed) for c in levels}
+
+
+def describe_workloads(model_dir: Path, workloads: dict[int, list], args) -> dict:
+    return {
+        "model": model_dir.name, "input_len": [args.input_len_min, args.input_len_max],
+        "output_len": args.output_len, "ignore_eos": True, "dtype": args.dtype,
+        "levels": {str(c): len(r) for c, r in workloads.items()},
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "seed": args.seed,
+    }
+
+
 def _interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
@@ -151,20 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     from workers.default_model import ensure_default_model
 
     model_dir = Path(args.model_dir) if args.model_dir else ensure_default_model()
-    # One workload per level, built once, so both servers get exactly the same prompts.
     tokenizer = load_tokenizer(model_dir)
     levels = [int(c) for c in args.concurrencies.split(",")]
-    workloads = {c: random_requests(tokenizer, max(8, args.prompts_per_stream * c), args.input_len_min,
-                                    args.input_len_max, args.output_len, args.seed) for c in levels}
-    out: dict = {
-        "workload": {
-            "model": model_dir.name, "input_len": [args.input_len_min, args.input_len_max],
-            "output_len": args.output_len, "ignore_eos": True, "dtype": args.dtype,
-            "levels": {str(c): len(r) for c, r in workloads.items()},
-            "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "seed": args.seed,
-        },
-        "machine": {"cpus": len(os.sched_getaffinity(0)), "loadavg_before": os.getloadavg()},
-    }
+    workloads = make_workloads(tokenizer, levels, args)
+    out: dict = {"workload": describe_workloads(model_dir, workloads, args),
+                 "machine": {"cpus": len(os.sched_getaffinity(0)), "loadavg_before": os.getloadavg()}}
     if not args.skip_offline:
         offline_reqs = workloads[16] if 16 in workloads else workloads[levels[-1]]
         out["offline"] = run_offline(model_dir, args.model_dir is None, offline_reqs, tokenizer, args)

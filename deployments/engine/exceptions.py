@@ -8,3 +8,7 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine failed (a worker died, a step errored or timed out); the replica is unhealthy."""
+
+
+class StructuredOutputError(ValueError):
+    """A response_format schema cannot be compiled into a grammar (an HTTP 400 naming it)."""

@@ -20,19 +20,19 @@ import json
 import threading
 from collections import OrderedDict
 
-import torch
+from typing import TYPE_CHECKING
 
+from deployments.engine.exceptions import StructuredOutputError
 from scheduler.outputs import SchedulerOutput
 from scheduler.request import Request
 from scheduler.sampling_params import StructuredOutputSpec
 
+if TYPE_CHECKING:
+    import torch
+
 # Compiled grammars kept per (kind, schema): a client that sends the same schema on every request
 # (the common case) compiles it once. Bounded: a client sending ever-new schemas cannot grow it.
 _GRAMMAR_CACHE_SIZE = 256
-
-
-class StructuredOutputError(ValueError):
-    """The schema cannot be compiled into a grammar (an HTTP 400 naming `response_format`)."""
 
 
 class StructuredOutputManager:
@@ -92,7 +92,7 @@ class StructuredOutputManager:
         return len(self._matchers)
 
     # ---- per step ---------------------------------------------------------------------
-    def make_bitmasks(self, request_ids: list[str]) -> dict[str, torch.Tensor]:
+    def make_bitmasks(self, request_ids: list[str]) -> "dict[str, torch.Tensor]":
         """Allowed-token bitmask (int32 words) per constrained request about to sample."""
         ids = [r for r in request_ids if r in self._matchers]
         if not ids:

@@ -13,12 +13,12 @@ Validation errors raised here become 400 OpenAI errors naming the field (deploym
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from scheduler.sampling_params import SamplingParams, StructuredOutputSpec
+from deployments.http.response_format import ResponseFormat
+from scheduler.sampling_params import SamplingParams
 from workers.generation_defaults import GenerationDefaults
 
 # Most top logprobs a request may ask for (OpenAI's limit for chat; vLLM's default cap).
@@ -35,47 +35,6 @@ MAX_CACHE_SALT_CHARS = 256
 # Most logit_bias entries (OpenAI allows 300) and the range of one bias (OpenAI's).
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ABS_LOGIT_BIAS = 100.0
-
-
-class JsonSchemaFormat(BaseModel):
-    """OpenAI's `response_format.json_schema` object."""
-
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    # The schema's name (informational here).
-    name: str | None = Field(default=None, max_length=64)
-    # Free-text description (informational here).
-    description: str | None = None
-    # The JSON Schema the output must validate against.
-    schema_: dict[str, Any] = Field(alias="schema")
-    # OpenAI's strict flag: tpserve always enforces the schema.
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    """`{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    # What the output must parse as.
-    type: Literal["text", "json_object", "json_schema"]
-    # Required with type "json_schema".
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_iff_json_schema(self) -> "ResponseFormat":
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError('response_format of type "json_schema" needs a "json_schema" object')
-        return self
-
-    def to_spec(self) -> StructuredOutputSpec | None:
-        """The engine's constraint (None for plain text). The schema keeps the client's key
-        order: properties are generated in declared order."""
-        if self.type == "json_object":
-            return StructuredOutputSpec("json_object")
-        if self.type == "json_schema":
-            return StructuredOutputSpec("json_schema", json.dumps(self.json_schema.schema_))
-        return None
 
 
 class StreamOptions(BaseModel):
