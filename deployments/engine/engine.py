@@ -10,7 +10,7 @@ import logging
 import time
 
 from deployments.config import TpserveConfig
-from deployments.engine.admission import AdmissionLimits, check_admission
+from scheduler.admission import AdmissionLimits, check_admission
 from deployments.engine.output_processor import OutputProcessor
 from deployments.engine.outputs import RequestOutput
 from deployments.engine.structured_output import StructuredOutputManager
