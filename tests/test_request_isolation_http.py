@@ -42,3 +42,12 @@ def test_a_stream_reports_the_failed_choice_in_band():
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
     assert "not finite" in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_json_body_whose_engine_died_is_a_503_not_a_cut_off_200():
+    """Engine death is nobody's request fault: the non-streaming client gets the dead engine's 503."""
+    engine = OneChoiceFails()
+    engine.dead_reason = "worker 1 died"
+    response = run(post(engine, "/v1/completions", {"prompt": "a b", "max_tokens": 3, "n": 2}))
+    assert response.status_code == 503, response.text
+    assert "worker" not in response.json()["error"]["message"], "internals leaked"

@@ -16,7 +16,8 @@ from fastapi.responses import Response
 from starlette.background import BackgroundTask
 
 from deployments.http.choice_streams import ChoiceSpec, ChoiceStreams, EngineStreamResponse, make_choice_specs
-from deployments.http.errors import APIError
+from deployments.engine.exceptions import EngineDeadError
+from deployments.http.errors import APIError, from_engine_exception
 from deployments.engine.outputs import RequestOutput
 from deployments.http.protocol import SamplingRequest
 from scheduler.sampling_params import SamplingParams
@@ -148,6 +149,10 @@ class ResponseRun:
         work is in the same body, so the response is not turned into an error."""
         try:
             async for index, out in self.streams.outputs():
+                if out.error is not None and getattr(self.engine, "dead_reason", None) is not None:
+                    # Not this request's fault: the engine died under it. The client gets the
+                    # 503 of a dead engine, not a 200 whose choices were cut off.
+                    raise from_engine_exception(EngineDeadError(self.engine.dead_reason))
                 on_output(self._record(index, out), out)
         except BaseException:
             self.streams.finish()
