@@ -130,6 +130,8 @@ def test_logit_bias_and_allowed_bitmask_reach_the_sampler_and_a_dead_row_fails_a
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
+            if out.request_id not in tokens:
+                continue  # left over from an earlier test of this module's engine that failed midway
             tokens[out.request_id].extend(out.new_token_ids)
             if out.finished:
                 finished[out.request_id] = out.finish_reason
