@@ -22,7 +22,8 @@ from workers.decode_inputs import DecodeBatch, decode_mask, make_decode_batch, p
 from workers.input_batch import CachedRequestState, RequestStates
 from workers.decoder import DecoderForCausalLM
 from workers.prompt_logprobs import compute_prompt_logprobs, mark_scored, plan_prompt_logprobs
-from workers.sampler import SamplingRow, sample
+from workers.sampler import sample
+from workers.sampling_row import SamplingRow
 
 
 @dataclass

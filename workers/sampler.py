@@ -22,32 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.outputs import SampledLogprobs
-from scheduler.sampling_params import SamplingParams
 from workers.sampling_filters import filtered_probs
 from workers.sampling_penalties import apply_request_processors
+from workers.sampling_row import SamplingRow
 
 logger = logging.getLogger(__name__)
 
 NON_FINITE_LOGITS = "the model produced non-finite logits for this request"
 NOTHING_ALLOWED = ("no token can be sampled: this request's parameters (logit_bias, min_tokens, "
                    "allowed-token mask, temperature) exclude every token")
-
-
-@dataclass
-class SamplingRow:
-    # The request's sampling parameters.
-    params: SamplingParams
-    # Prompt token ids (for the repetition penalty).
-    prompt_token_ids: list[int]
-    # Tokens generated so far (penalties, min_tokens).
-    output_token_ids: list[int]
-    # Tokens that end the request (EOS ids + stop_token_ids), masked while under min_tokens.
-    stop_ids: tuple[int, ...]
-    # The request's own generator when seeded, else None.
-    generator: torch.Generator | None
-    # Packed int32 allowed-token bitmask for this step (xgrammar's layout; a list of words or a
-    # 1-D int32 tensor), None = every token allowed.
-    allowed_token_bitmask: list[int] | torch.Tensor | None = None
 
 
 @dataclass

@@ -9,12 +9,9 @@ ignores token ids outside the vocabulary, so a bad id fails nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from workers.sampler import SamplingRow
+from workers.sampling_row import SamplingRow
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine
 from deployments.engine.engine_metrics import EngineMetrics, make_stat_loggers
-from deployments.engine.exceptions import EngineDeadError, EngineOverloadedError
+from deployments.engine.exceptions import SERVER_SHUTTING_DOWN, EngineDeadError, EngineOverloadedError
 from deployments.engine.outputs import RequestOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -92,7 +92,7 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         # Requests still in flight end now with a clear error (their streams close in-band),
         # not by hanging until the process is killed.
-        self._fail_all("the server is shutting down")
+        self._fail_all(SERVER_SHUTTING_DOWN)
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._step_thread.shutdown(wait=False, cancel_futures=True)
@@ -229,10 +229,12 @@ class AsyncEngine:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - the engine is dead whatever the cause
+            # Clients see a fixed reason; the exception (which worker, what it raised) goes to
+            # the replica log only: its text can carry paths, shapes and addresses.
             reason = ("an engine step did not finish within step_timeout_s="
                       f"{self.config.step_timeout_s}s" if isinstance(exc, TimeoutError) else
-                      f"engine failure: {type(exc).__name__}: {exc}")
-            logger.exception("tpserve engine loop stopped: %s", reason)
+                      "the engine failed (a worker or the model step raised an error)")
+            logger.exception("tpserve engine loop stopped: %s: %s: %s", reason, type(exc).__name__, exc)
             self._fail_all(reason)
 
     async def _wait_for_work(self) -> None:

@@ -6,6 +6,11 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full: the client should retry later (503 + Retry-After)."""
 
 
+# The dead reason of an engine stopped on purpose (the replica is shutting down): the one reason
+# clients are told as is, since it names nothing internal and tells them to retry elsewhere.
+SERVER_SHUTTING_DOWN = "the server is shutting down"
+
+
 class EngineDeadError(RuntimeError):
     """The engine failed (a worker died, a step errored or timed out); the replica is unhealthy."""
 

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.admission import AdmissionError
-from deployments.engine.exceptions import EngineDeadError, EngineOverloadedError
+from deployments.engine.exceptions import SERVER_SHUTTING_DOWN, EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def from_engine_exception(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         # The reason (which worker, which exception) is in the replica log, not for clients.
         logger.warning("request refused: the engine is dead (%s)", exc)
-        return engine_dead()
+        return engine_dead(str(exc))
     logger.error("request failed inside the engine", exc_info=exc)
     return internal_error()
 
@@ -125,9 +125,12 @@ def from_admission_error(exc: AdmissionError) -> APIError:
     return bad_request(exc.message, exc.param, exc.code)
 
 
-def engine_dead() -> APIError:
+def engine_dead(reason: str | None = None) -> APIError:
+    """503 for a replica whose engine stopped. Only a shutdown is named; any other reason (which
+    worker, which exception) may carry internals and stays in the replica log."""
+    what = SERVER_SHUTTING_DOWN if reason == SERVER_SHUTTING_DOWN else "the engine is not running"
     return APIError(
-        503, "The engine is not running; this replica is being replaced. Please retry.", code="engine_dead",
+        503, f"{what.capitalize()}; this replica is being replaced. Please retry.", code="engine_dead",
         headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)},
     )
 

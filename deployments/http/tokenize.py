@@ -8,6 +8,8 @@ OpenAI routes: nothing is tokenized on the event loop.
 
 from __future__ import annotations
 
+import functools
+
 from concurrent.futures import Executor
 from typing import Any
 
@@ -69,7 +71,9 @@ def add_tokenize_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: 
             return await prompts.chat_prompt([m.for_template() for m in body.messages], body.add_generation_prompt)
         if len(body.prompt) > limits.max_prompt_chars:
             raise bad_request(f"a prompt may have at most {limits.max_prompt_chars} characters", "prompt")
-        return list(await prompts.run(tokenizer.encode, body.prompt, body.add_special_tokens))
+        # Keyword, not positional: encode's second positional parameter is `text_pair`.
+        encode = functools.partial(tokenizer.encode, add_special_tokens=body.add_special_tokens)
+        return list(await prompts.run(encode, body.prompt))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
