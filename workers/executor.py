@@ -13,7 +13,15 @@ from workers.worker import WorkerConfig, WorkerCore, WorkerLoadReport
 
 
 class ExecutorError(RuntimeError):
-    """A worker failed or did not answer: in-flight requests must end with this error."""
+    """A worker failed or did not answer: in-flight requests must end with this error.
+
+    The message opens with a clause written here (what failed, never a path or a value) and ends
+    it at the first ": "; what follows is Ray's, gloo's or the worker's own text, for the log only.
+    `summary` is the opening clause: what clients may be told."""
+
+    @property
+    def summary(self) -> str:
+        return str(self).split(": ", 1)[0]
 
 
 class Executor(abc.ABC):

@@ -22,6 +22,7 @@ from deployments.engine.exceptions import SERVER_SHUTTING_DOWN, EngineDeadError,
 from deployments.engine.outputs import RequestOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
+from workers.executor import ExecutorError
 
 logger = logging.getLogger("tpserve")
 
@@ -231,9 +232,12 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - the engine is dead whatever the cause
             # Clients see a fixed reason; the exception (which worker, what it raised) goes to
             # the replica log only: its text can carry paths, shapes and addresses.
-            reason = ("an engine step did not finish within step_timeout_s="
-                      f"{self.config.step_timeout_s}s" if isinstance(exc, TimeoutError) else
-                      "the engine failed (a worker or the model step raised an error)")
+            if isinstance(exc, TimeoutError):
+                reason = f"an engine step did not finish within step_timeout_s={self.config.step_timeout_s}s"
+            elif isinstance(exc, ExecutorError):
+                reason = f"the engine failed: {exc.summary}"
+            else:
+                reason = "the engine failed (a worker or the model step raised an error)"
             logger.exception("tpserve engine loop stopped: %s: %s: %s", reason, type(exc).__name__, exc)
             self._fail_all(reason)
 
