@@ -9,13 +9,18 @@
 - the cluster is shaped for the application: CPU-only head, GPUs per pod = tensor_parallel_size,
   worker pods enough for Serve's max_replicas, ports and probes where KubeRay and the PodMonitor
   expect them;
+- routing and scaling: KV-aware routing and engine-load autoscaling; the routing ingress fits only
+  the head (a custom resource no worker group offers) and no engine replica fits the head, judged
+  with the resources the Ray autoscaler reads from each group and the demands Serve gets;
 - the Dockerfile builds on the official Ray image of the Ray version pinned in pyproject.toml.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import re
+import shlex
 import tomllib
 from typing import Any, Callable
 
@@ -42,7 +47,9 @@ from k8s_validation import (
     quantity,
 )
 
+from deployments.autoscaling import POLICY_KEYS, POLICY_PATH
 from deployments.config import ConfigError, TpserveConfig
+from deployments.scale_out import scale_out_options
 
 RAYSERVICE = K8S_DIR / "rayservice.yaml"
 PODMONITOR = K8S_DIR / "podmonitor.yaml"
@@ -59,6 +66,15 @@ CLUSTER_SPECIFIC_ARGS = {
     "gpu_memory_utilization",
     "kv_cache_memory_gib",  # CPU KV cache size
     "placement_strategy",
+    # Nodes appear on demand in the cluster (Ray autoscaler); one machine has what it has.
+    "check_placement_fits",
+    # Cluster-only choices: they pay with several replicas (README "Scale-out"). On one machine,
+    # one replica: a routing ingress would only add a hop, engine_load needs autoscaling_config,
+    # and routing_ingress_resources names a resource (`head_node`) only the cluster's head offers
+    # (a local `serve run` would leave the ingress pending forever).
+    "request_router",
+    "autoscaling_signal",
+    "routing_ingress_resources",
 }
 # Serve-config keys outside `args` that may differ: none.
 GPU = "nvidia.com/gpu"
@@ -165,13 +181,28 @@ def serve_config_problems(config: dict[str, Any]) -> list[str]:
             problems.append(str(exc))
             continue
         if tpserve.autoscaling_config is not None:
-            autoscaling = tpserve.autoscaling_config
+            # What Serve gets: with autoscaling_signal engine_load, the policy's own knobs
+            # (POLICY_KEYS) move into `policy`; anything else unknown to Serve is a misspelling.
+            autoscaling = scale_out_options(tpserve).get("autoscaling_config", tpserve.autoscaling_config)
             unknown = set(autoscaling) - set(AutoscalingConfig.model_fields)
             problems += [f"unknown autoscaling_config key {k!r}" for k in unknown]
             try:
                 AutoscalingConfig.model_validate(autoscaling)
             except ValidationError as exc:
                 problems.append(f"autoscaling_config: {exc}")
+            problems += policy_knob_problems(autoscaling.get("policy", {}).get("policy_kwargs", {}))
+    return problems
+
+
+def policy_knob_problems(knobs: dict[str, Any]) -> list[str]:
+    """The engine-load policy's knobs must be positive numbers (a fraction for max_kv_used): the
+    controller builds the policy from them only at run time."""
+    problems = []
+    for key, value in knobs.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            problems.append(f"autoscaling_config.{key}: {value!r} is not a positive number")
+        elif key == "max_kv_used" and value > 1:
+            problems.append(f"autoscaling_config.{key}: {value!r} is not a fraction of the KV cache")
     return problems
 
 
@@ -332,6 +363,13 @@ def test_serve_config_validator_rejects_broken_copies():
             only_app(c)["args"]["autoscaling_config"], "max_replicas", "max_replica"
         ),
         "bad autoscaling": lambda c: only_app(c)["args"]["autoscaling_config"].update(min_replicas=9),
+        "misspelled policy knob": lambda c: _rename(
+            only_app(c)["args"]["autoscaling_config"], "target_unfinished_per_replica", "target_unfinished_per_replca"
+        ),
+        "bad policy knob": lambda c: only_app(c)["args"]["autoscaling_config"].update(max_kv_used=1.5),
+        "policy knob as text": lambda c: only_app(c)["args"]["autoscaling_config"].update(max_waiting_per_replica="2"),
+        "bad request router": lambda c: only_app(c)["args"].update(request_router="kv-aware"),
+        "bad routing ingress resources": lambda c: only_app(c)["args"].update(routing_ingress_resources="head_node"),
         "missing import path": lambda c: only_app(c).pop("import_path"),
         "pip at start": lambda c: only_app(c).update(runtime_env={"pip": ["tpserve"]}),
     }
@@ -341,30 +379,77 @@ def test_serve_config_validator_rejects_broken_copies():
         assert serve_config_problems(config) != [], case
 
 
-@pytest.mark.parametrize("which", ["serve_config.yaml", "serveConfigV2"])
-def test_import_path_builds_the_application(which):
-    # What Serve does at deploy time: import the builder, call it with the args. build_app
-    # validates them (TpserveConfig) and binds the deployment; nothing starts.
-    from ray.serve import Application
-
+def build_application(app_config: dict[str, Any]) -> Any:
+    """What Serve does at deploy time: import the builder, call it with the args."""
     try:
         from ray._common.utils import import_attr
     except ImportError:  # older Ray
         from ray._private.utils import import_attr
 
+    return import_attr(app_config["import_path"])(app_config["args"])
+
+
+def bound_deployments(application: Any) -> dict[str, Any]:
+    """Every deployment of a built application by name: its ingress and those bound into it."""
+    from ray.serve import Application
+
+    found: dict[str, Any] = {}
+    pending = [application]
+    while pending:
+        deployment = pending.pop()._bound_deployment  # private, but Ray is pinned (pyproject.toml)
+        found[deployment.name] = deployment
+        bound = (*deployment.init_args, *deployment.init_kwargs.values())
+        pending += [arg for arg in bound if isinstance(arg, Application)]
+    return found
+
+
+def import_path(target: Any) -> str:
+    """`module:name` of a class/function Serve was given as a path or as the object."""
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+@pytest.mark.parametrize("which", ["serve_config.yaml", "serveConfigV2"])
+def test_import_path_builds_the_application(which):
+    # build_app validates the args (TpserveConfig) and binds the deployments; nothing starts.
+    from ray.serve import Application
+
+    from deployments.app import DEPLOYMENT_NAME
+    from deployments.routing.front import ROUTER_DEPLOYMENT_NAME
+
     config = serve_config_file() if which == "serve_config.yaml" else serve_config_v2()
     app_config = only_app(config)
-    application = import_attr(app_config["import_path"])(app_config["args"])
+    application = build_application(app_config)
     assert isinstance(application, Application)
-    deployment = getattr(application, "_bound_deployment", None)
-    if deployment is not None:  # a private attribute: checked where Ray still has it
-        expected = app_config["args"].get("autoscaling_config")
-        autoscaling = deployment._deployment_config.autoscaling_config
-        if expected is None:
-            assert autoscaling is None
+    tpserve = TpserveConfig.from_args(app_config["args"])
+    deployments = bound_deployments(application)
+    engine = deployments[DEPLOYMENT_NAME]
+    engine_config = engine._deployment_config
+    expected = tpserve.autoscaling_config
+    if expected is None:
+        assert engine_config.autoscaling_config is None
+        assert engine_config.num_replicas == tpserve.num_replicas
+    else:
+        autoscaling = engine_config.autoscaling_config
+        assert autoscaling.max_replicas == expected["max_replicas"]
+        policy = import_path(autoscaling.policy.policy_function)
+        if tpserve.autoscaling_signal == "engine_load":
+            assert policy == POLICY_PATH
+            assert autoscaling.policy.policy_kwargs == {k: expected[k] for k in POLICY_KEYS if k in expected}
         else:
-            assert autoscaling.max_replicas == expected["max_replicas"]
+            assert policy != POLICY_PATH
             assert autoscaling.target_ongoing_requests == expected["target_ongoing_requests"]
+    router = import_path(engine_config.request_router_config.request_router_class)
+    if tpserve.request_router == "kv_aware":
+        # HTTP proxy -> routing ingress -> engine replicas picked by the KV-aware router.
+        assert application._bound_deployment.name == ROUTER_DEPLOYMENT_NAME
+        assert set(deployments) == {ROUTER_DEPLOYMENT_NAME, DEPLOYMENT_NAME}
+        assert router == "deployments.routing.kv_router:KVAwareRouter"
+        ingress_options = deployments[ROUTER_DEPLOYMENT_NAME].ray_actor_options
+        assert ingress_options["num_cpus"] == 0, "the ingress only forwards"
+        assert ingress_options.get("resources") == tpserve.routing_ingress_resources
+    else:
+        assert set(deployments) == {DEPLOYMENT_NAME}
+        assert router != "deployments.routing.kv_router:KVAwareRouter"
 
 
 def application_diff(local: dict[str, Any], clustered: dict[str, Any]) -> set[str]:
@@ -420,6 +505,10 @@ def test_rayservice_metadata():
 
 
 def test_head_runs_no_replicas():
+    # No engine replica on the head: it offers no CPU (every replica asks for one, Serve's default)
+    # and no GPU. It does run the routing ingress (no CPU, the head's custom resource); where each
+    # deployment can land is checked against the groups' resources in
+    # test_routing_ingress_on_the_head_engine_replicas_on_gpu_workers.
     spec = cluster()
     head = spec["headGroupSpec"]
     assert head["rayStartParams"]["num-cpus"] == "0"
@@ -454,8 +543,148 @@ def test_gpu_workers_sized_for_tensor_parallel_replicas():
         assert "num-gpus" not in group.get("rayStartParams", {}) or float(group["rayStartParams"]["num-gpus"]) == gpus
         total_max_gpus += group["maxReplicas"] * gpus
     assert total_max_gpus >= autoscaling["max_replicas"] * tp, "max_replicas fit in maxReplicas pods"
-    # Serve scales on ongoing requests before they queue inside the engine.
-    assert autoscaling["target_ongoing_requests"] <= args.max_num_seqs <= args.max_ongoing_requests
+    # Serve adds a replica before requests queue inside the engine: the per-replica target of the
+    # policy in use (tpserve's engine-load policy, or Serve's ongoing-requests one) is below
+    # max_num_seqs.
+    if args.autoscaling_signal == "engine_load":
+        from deployments.autoscaling import EngineLoadPolicy
+
+        target = EngineLoadPolicy(**{k: autoscaling[k] for k in POLICY_KEYS if k in autoscaling}).target_unfinished
+    else:
+        target = autoscaling["target_ongoing_requests"]
+    assert target <= args.max_num_seqs <= args.max_ongoing_requests
+
+
+# ---------------------------------------------------------------------------------------------
+# routing and scaling on the cluster: KV-aware ingress on the head, engine replicas on GPU pods
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rayservice_routes_by_kv_cache_and_scales_on_engine_load():
+    # The measured choices (README "Scale-out"), not Serve's default router and ongoing-requests
+    # autoscaling.
+    args = TpserveConfig.from_args(only_app(serve_config_v2())["args"])
+    assert args.request_router == "kv_aware"
+    assert args.autoscaling_signal == "engine_load"
+    assert args.autoscaling_config, "engine_load scales only with autoscaling_config"
+    assert args.routing_ingress_resources, "the ingress is pinned to a node that is not scaled away"
+    # Worker pods come and go with the Ray autoscaler: a TP placement group must not be refused
+    # at deploy time because no GPU pod is up yet.
+    assert args.check_placement_fits is False
+
+
+def group_offers(name: str, group: dict[str, Any]) -> dict[str, float]:
+    """The Ray resources a pod of `group` offers, as the Ray autoscaler reads them from the group
+    spec (rayStartParams, the group's `resources`, container limits) to pick a group to scale."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_ray_resources_from_group_spec
+
+    return _get_ray_resources_from_group_spec(group, is_head=name == "head")
+
+
+def replica_demand(deployment: Any) -> dict[str, float]:
+    """What one replica of a built Serve deployment needs from one node: its placement group when
+    it has one (STRICT_PACK: every bundle on that node; otherwise bundle 0, where the replica
+    actor runs), else its actor options (Serve fills in num_cpus=1 when unset)."""
+    replica = deployment._replica_config  # private, but Ray is pinned (pyproject.toml)
+    bundles = replica.placement_group_bundles
+    if bundles:
+        placed = bundles if replica.placement_group_strategy == "STRICT_PACK" else bundles[:1]
+        demand: dict[str, float] = {}
+        for bundle in placed:
+            for key, amount in bundle.items():
+                demand[key] = demand.get(key, 0.0) + amount
+        return demand
+    options = deployment.ray_actor_options
+    demand = {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0)}
+    demand.update(options.get("resources") or {})
+    return {k: v for k, v in demand.items() if v}
+
+
+def fits(demand: dict[str, float], offer: dict[str, float]) -> bool:
+    return all(offer.get(key, 0) >= amount for key, amount in demand.items())
+
+
+def test_routing_ingress_on_the_head_engine_replicas_on_gpu_workers(monkeypatch):
+    from deployments.app import DEPLOYMENT_NAME
+    from deployments.routing.front import ROUTER_DEPLOYMENT_NAME
+
+    # Build as the Serve controller does on the cluster, where Ray reports the GPU pods.
+    monkeypatch.setattr("workers.placement.cluster_has_gpus", lambda: True)
+    app_config = only_app(serve_config_v2())
+    deployments = bound_deployments(build_application(app_config))
+    ingress, engine = deployments[ROUTER_DEPLOYMENT_NAME], deployments[DEPLOYMENT_NAME]
+    asked = TpserveConfig.from_args(app_config["args"]).routing_ingress_resources
+    offers = {name: group_offers(name, group) for name, group, _ in pod_groups()}
+    workers = {name: offer for name, offer in offers.items() if name != "head"}
+    gpu_workers = {group["groupName"] for group in gpu_worker_groups()}
+    assert gpu_workers and gpu_workers <= set(workers)
+
+    # routing_ingress_resources names what the head offers, and no worker group offers it.
+    for resource, amount in asked.items():
+        assert 0 < amount <= offers["head"].get(resource, 0), f"the head offers {resource}"
+        for name, offer in workers.items():
+            assert resource not in offer, f"worker group {name} offers the head's {resource}"
+    # So the ingress can run on the head only; an engine replica on a GPU worker only.
+    assert replica_demand(ingress) == {k: v for k, v in asked.items() if v}
+    assert fits(replica_demand(ingress), offers["head"])
+    assert not any(fits(replica_demand(ingress), offer) for offer in workers.values())
+    assert replica_demand(engine).get("GPU", 0) >= 1
+    assert not fits(replica_demand(engine), offers["head"]), "an engine replica fits the head"
+    for name in gpu_workers:
+        assert fits(replica_demand(engine), workers[name]), f"an engine replica fits a {name} pod"
+
+    # The head's custom resource is what places the ingress: without it, it fits nowhere.
+    without = copy.deepcopy(cluster()["headGroupSpec"])
+    del without["rayStartParams"]["resources"]
+    assert not fits(replica_demand(ingress), group_offers("head", without))
+
+
+def parsed_ray_start_resources(raw: str) -> dict[str, float]:
+    """The `resources` rayStartParam as each of its readers takes it; raises ValueError unless
+    they all get the same dict.
+
+    1. `ray start`: KubeRay writes `--resources=<raw>` into the pod's bash command line;
+    2. the KubeRay operator (getResourcesMap, v1.7): trims quotes and spaces, then parses JSON;
+    3. the Ray autoscaler (_get_custom_resources): drops the first and last character and every
+       backslash, then parses JSON (integers only).
+    """
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_custom_resources
+
+    words = shlex.split(f"--resources={raw}")
+    if len(words) != 1:
+        raise ValueError(f"the shell splits --resources={raw} into {len(words)} words")
+    readings = {"ray start": json.loads(words[0].removeprefix("--resources="))}
+    try:
+        readings["operator"] = json.loads(raw.strip("'\"` "))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the KubeRay operator can't parse {raw}: {exc}") from None
+    try:
+        readings["autoscaler"] = _get_custom_resources({}, {"resources": raw}, "headgroup")
+    except Exception as exc:  # noqa: BLE001 - it raises whatever json/assert raised
+        raise ValueError(f"the Ray autoscaler can't parse {raw}: {exc!r}") from None
+    if len({json.dumps(r, sort_keys=True) for r in readings.values()}) != 1:
+        raise ValueError(f"readers disagree on {raw}: {readings}")
+    return readings["ray start"]
+
+
+def test_head_custom_resource_reads_the_same_everywhere():
+    raw = cluster()["headGroupSpec"]["rayStartParams"]["resources"]
+    offered = parsed_ray_start_resources(raw)
+    asked = TpserveConfig.from_args(only_app(serve_config_v2())["args"]).routing_ingress_resources
+    assert set(asked) <= set(offered)
+    # Forms that one of the readers gets wrong.
+    broken = {
+        "unquoted (the shell splits it at the space)": '{"head_node": 1}',
+        # The operator then logs an error and skips its GPU/accelerator detection for the group.
+        "Ray's documented escaped form (the operator's JSON parse fails)": '"{\\"head_node\\": 1}"',
+        "a fraction (the autoscaler takes integers only)": "'{\"head_node\": 0.5}'",
+    }
+    for case, value in broken.items():
+        try:
+            parsed_ray_start_resources(value)
+        except ValueError:
+            continue
+        pytest.fail(f"accepted: {case}")
 
 
 def test_ports_probes_and_images():
