@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.cpu_linear import linear
 from workers.parallel_state import TPGroup
 
 
@@ -47,6 +48,8 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [divide(s, tp.world_size, "output features") for s in output_sizes]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(sum(self.local_sizes), dtype=dtype), requires_grad=False) if bias else None
+        # The weight prepacked for oneDNN on CPU (workers/cpu_linear.py); None = F.linear.
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int = 0) -> None:
         local = self.local_sizes[shard_id]
@@ -55,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + local].copy_(_as_tensor(loaded[start : start + local]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -108,6 +111,8 @@ class RowParallelLinear(nn.Module):
         self.local_input = divide(input_size, tp.world_size, "input features")
         self.weight = nn.Parameter(torch.empty(output_size, self.local_input, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False) if bias else None
+        # The weight prepacked for oneDNN on CPU (workers/cpu_linear.py); None = F.linear.
+        self.packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int = 0) -> None:
         if param is self.bias:
@@ -117,7 +122,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_as_tensor(loaded[:, start : start + self.local_input]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -155,8 +160,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection split by vocabulary rows like the embedding; logits shards are
     gathered on rank 0 (the only rank that samples), padding columns cut off."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(vocab_size, hidden_size, tp, dtype)
+        # The weight prepacked for oneDNN on CPU (workers/cpu_linear.py); None = F.linear.
+        self.packed_weight: torch.Tensor | None = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local_logits = F.linear(hidden, self.weight)
+        local_logits = linear(hidden, self.weight, None, self.packed_weight)
         logits = self.tp.gather_last_dim_to_first_rank(local_logits)
         if logits is None:
             return None

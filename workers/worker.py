@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.cpu_linear import can_prepack, prepack_linears
 from workers.cuda_graph import CudaGraphRunner, make_graph_runner
 from workers.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, check_room_for_one_request, gpu_kv_budget,
                               kv_spec_for, num_blocks_for_budget)
@@ -47,6 +48,8 @@ class WorkerConfig:
     max_cuda_graph_batch_size: int = 256
     # Decode attention kernel on GPU: "auto", "torch", "flash_attn" or "flashinfer".
     decode_attention: str = "auto"
+    # CPU only: prepack linear weights for oneDNN once after loading (workers/cpu_linear.py).
+    cpu_prepack_linear: bool = True
 
 
 @dataclass
@@ -82,6 +85,8 @@ class WorkerCore:
         with torch.device(self.device):
             model = build_model(self.model_config, self.tp, cfg.dtype, max_positions=cfg.max_model_len)
         param_bytes = model.load_weights(cfg.model_path)
+        if cfg.cpu_prepack_linear and can_prepack(self.device, cfg.dtype):
+            prepack_linears(model)
         self.model = model.eval()
         load_time = time.perf_counter() - start
         self.kv_spec = kv_spec_for(self.model_config, cfg.block_size, model.num_local_kv_heads, cfg.dtype)

@@ -49,6 +49,7 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
         enforce_eager=config.enforce_eager,
         max_num_seqs=config.max_num_seqs,
         max_cuda_graph_batch_size=config.max_cuda_graph_batch_size,
+        cpu_prepack_linear=config.cpu_prepack_linear,
     )
 
 
