@@ -54,6 +54,9 @@ def make_parser() -> argparse.ArgumentParser:
                            help=f"HTTP port (default: {DEFAULT_PORT})")
     serve_cmd.add_argument("--ray-address", default=None,
                            help="join this Ray cluster instead of starting a local one")
+    serve_cmd.add_argument("--ray-serve-fast-path", action=argparse.BooleanOptionalAction, default=True,
+                           help="start the local Ray with Serve's HAProxy ingress and throughput-optimized "
+                                "mode (deployments/serve_fast_path.py; default: on)")
     _add_config_flags(serve_cmd)
     return parser
 
@@ -104,6 +107,14 @@ def serve_command(namespace: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tpserve: {exc}", file=sys.stderr)
         return 2
+
+    if namespace.ray_serve_fast_path and not namespace.ray_address:
+        # Before Ray is imported and started: Serve reads these at import time in every process
+        # of the cluster, which inherit this environment. (On a cluster joined with
+        # --ray-address, the environment its nodes were started with decides.)
+        from deployments.serve_fast_path import fast_path_env
+
+        os.environ.update(fast_path_env(os.environ))
 
     # Heavy imports after argument checks: `tpserve --help` stays instant.
     import ray

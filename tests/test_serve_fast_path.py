@@ -1,0 +1,39 @@
+"""The environment `tpserve serve` starts Ray with for Serve's fast path (deployments/serve_fast_path.py)."""
+
+from __future__ import annotations
+
+from deployments.serve_fast_path import MIN_MAXCONN, fast_path_env, haproxy_maxconn
+
+
+def ports():
+    counter = iter(range(50000, 50010))
+    return lambda: next(counter)
+
+
+def test_maxconn_fits_the_open_file_limit():
+    # HAProxy's default of 20,000 connections needs ~50,000 descriptors; here the limit is 20,000.
+    assert haproxy_maxconn(20_000) * 2.5 + 1024 <= 20_000
+    assert haproxy_maxconn(20_000) > 5_000
+    assert haproxy_maxconn(1_048_576) > 400_000
+
+
+def test_env_turns_on_haproxy_and_throughput_mode_with_free_side_ports():
+    env = fast_path_env({}, nofile=20_000, pick_port=ports())
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == "1"
+    assert int(env["RAY_SERVE_HAPROXY_MAXCONN"]) == haproxy_maxconn(20_000)
+    # Not HAProxy's fixed 8404 / 9101: two servers on one machine must not collide.
+    assert {env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"]} == {"50000", "50001"}
+
+
+def test_what_the_user_set_wins():
+    user = {"RAY_SERVE_HAPROXY_NBTHREAD": "4", "RAY_SERVE_HAPROXY_STATS_PORT": "9999",
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+    env = fast_path_env(user, nofile=20_000, pick_port=ports())
+    assert not set(user) & set(env)
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+
+
+def test_a_tiny_open_file_limit_keeps_serves_own_proxy():
+    limit = int(MIN_MAXCONN * 2.5 + 1024) - 10
+    assert fast_path_env({}, nofile=limit, pick_port=ports()) == {}
