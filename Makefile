@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tpserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-cluster prometheus bench bench-offline bench-serve bench-tp model gpu-prepare soak clean
+.PHONY: install serve test test-cluster prometheus bench bench-deps bench-offline bench-serve bench-tp bench-breakdown model gpu-prepare soak clean
 
 install: $(STAMP) model
 
@@ -45,13 +45,24 @@ SOAK_ARGS ?=
 soak: install
 	$(PY) -m bench.soak $(SOAK_ARGS)
 
-bench: install bench-offline bench-serve bench-tp
+bench: install bench-offline bench-serve bench-tp bench-breakdown
 
-bench-offline:
+# Benchmark-only tools (py-spy for bench.served_step_breakdown).
+bench-deps: install
+	$(PIP) install -q -e '.[test,bench]'
+
+bench-offline: install
 	$(PY) -m bench.offline_throughput
 
-bench-serve:
-	$(PY) -m bench.serve_compare
+# tpserve vs vLLM's CPU build at 1, 16 and 64 streams plus the offline engines (issue 11), both
+# in bfloat16 (vLLM's own CPU default). BENCH_SERVE_ARGS="--dtype float32" to compare in float32.
+BENCH_SERVE_ARGS ?= --dtype bfloat16
+bench-serve: install
+	$(PY) -m bench.serve_compare $(BENCH_SERVE_ARGS)
+
+# Where a served token's time goes at 16 streams (README "Performance").
+bench-breakdown: bench-deps
+	$(PY) -m bench.served_step_breakdown
 
 bench-tp:
 	$(PY) -m bench.tp_dispatch
