@@ -60,9 +60,10 @@ def placement_options(config: TpserveConfig) -> dict[str, Any]:
     cluster has GPUs."""
     from workers.placement import cluster_has_gpus, serve_deployment_ray_options
 
+    use_gpu = config.accelerator == "gpu" or (config.accelerator == "auto" and cluster_has_gpus())
     if config.tensor_parallel_size > 1:
-        return serve_deployment_ray_options(config)
-    if cluster_has_gpus():
+        return serve_deployment_ray_options(config, use_gpu=use_gpu)
+    if use_gpu:
         return {"ray_actor_options": {"num_cpus": 1, "num_gpus": 1}}
     return {}
 

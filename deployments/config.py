@@ -46,6 +46,10 @@ class TpserveConfig(BaseModel):
     # Refuse at deploy time a placement group the cluster can never hold (else Serve waits forever);
     # turn off on clusters whose autoscaler adds nodes on demand.
     check_placement_fits: bool = True
+    # What replicas (TP = 1) or TP workers ask Ray for: "gpu" a GPU each, "cpu" CPUs only, "auto"
+    # GPUs if the cluster has any when the app is built. A cluster whose GPU nodes are added on
+    # demand (KubeRay autoscaling) has none at that moment: set "gpu" there.
+    accelerator: Literal["auto", "gpu", "cpu"] = "auto"
     # Requests allowed to wait before new ones get 503 + Retry-After.
     max_waiting_requests: int = Field(default=1024, gt=0)
     # Fixed replica count (ignored when autoscaling_config is set).

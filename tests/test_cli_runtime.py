@@ -164,3 +164,19 @@ def test_gpus_found_through_the_cluster_when_this_process_sees_none(monkeypatch)
     assert placement.cluster_has_gpus() is False
     fake_ray.is_initialized = lambda: False
     assert placement.cluster_has_gpus() is False
+
+
+@pytest.mark.parametrize("accelerator, cluster_gpus, wants_gpu", [
+    ("auto", True, True), ("auto", False, False), ("gpu", False, True), ("cpu", True, False)])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_accelerator_decides_what_replicas_ask_for(monkeypatch, accelerator, cluster_gpus, wants_gpu, tp):
+    from deployments.app import placement_options
+    from deployments.config import TpserveConfig
+
+    monkeypatch.setattr(placement, "cluster_has_gpus", lambda: cluster_gpus)
+    config = TpserveConfig(accelerator=accelerator, tensor_parallel_size=tp, check_placement_fits=False)
+    options = placement_options(config)
+    if tp == 1:
+        assert options.get("ray_actor_options", {}).get("num_gpus", 0) == (1 if wants_gpu else 0)
+    else:
+        assert all(("GPU" in bundle) == wants_gpu for bundle in options["placement_group_bundles"])

@@ -68,6 +68,8 @@ CLUSTER_SPECIFIC_ARGS = {
     "placement_strategy",
     # Nodes appear on demand in the cluster (Ray autoscaler); one machine has what it has.
     "check_placement_fits",
+    # GPU pods may join after the app is built; one machine has what it has ("auto").
+    "accelerator",
     # Cluster-only choices: they pay with several replicas (README "Scale-out"). On one machine,
     # one replica: a routing ingress would only add a hop, engine_load needs autoscaling_config,
     # and routing_ingress_resources names a resource (`head_node`) only the cluster's head offers
@@ -571,6 +573,8 @@ def test_rayservice_routes_by_kv_cache_and_scales_on_engine_load():
     # Worker pods come and go with the Ray autoscaler: a TP placement group must not be refused
     # at deploy time because no GPU pod is up yet.
     assert args.check_placement_fits is False
+    # ... nor a TP = 1 replica placed on CPUs because no GPU pod had joined when the app was built.
+    assert args.accelerator == "gpu"
 
 
 def group_offers(name: str, group: dict[str, Any]) -> dict[str, float]:
