@@ -1,8 +1,8 @@
 """CPU time per process and per thread from /proc, for "who used the cores" breakdowns.
 
-A snapshot maps a key (process name, or thread name inside one process) to CPU seconds used so
-far (user + system); the difference of two snapshots over a wall window, divided by the window,
-is how many cores each used on average.
+A snapshot maps a pid (or a thread id inside one process) to CPU seconds used so far (user +
+system); the difference of two snapshots over a wall window, divided by the window, is how many
+cores each used on average; `by_label` then sums them under readable names.
 """
 
 from __future__ import annotations

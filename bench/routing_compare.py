@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from workers.ports import free_port
+
 WORDS = ("customer order parcel invoice refund shipping warehouse tracking policy delivery account "
          "support window carrier label return exchange address postcode weekday holiday express "
          "standard signature damage claim photo courier depot schedule priority").split()
@@ -171,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = build_workload(args.num_requests, args.system_prompts, args.users, args.system_chars, args.seed)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
     try:
-        with __import__("socket").socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         report = {router: run_router(router, args, f"http://127.0.0.1:{port}", workload)
                   for router in args.routers.split(",")}

@@ -30,13 +30,14 @@ from pathlib import Path
 from bench import vllm_peer
 from bench.serve_load import LoadConfig, run_load
 from bench.workload import load_tokenizer, random_requests
+from workers.ports import free_port
 
 logger = logging.getLogger("bench.serve_compare")
 REPO = Path(__file__).resolve().parent.parent
 
 
 def start_tpserve(model_dir: Path | None, args: argparse.Namespace) -> vllm_peer.ManagedServer:
-    port = vllm_peer.free_port()
+    port = free_port()
     exe = Path(args.tpserve_bin) if args.tpserve_bin else REPO / ".venv" / "bin" / "tpserve"
     # Same dtype on both servers: the comparison is of engines, not of number formats.
     cmd = [str(exe), "serve", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),

@@ -30,6 +30,8 @@ from typing import Any
 
 import httpx
 
+from workers.ports import free_port
+
 APP_NAME = "tpserve-soak"
 # Small on purpose: ~580 tokens of KV cache for 16 running sequences forces preemption.
 SOAK_CONFIG: dict[str, Any] = {
@@ -217,14 +219,6 @@ def start_serve(port: int, num_cpus: int) -> tuple[str, Any]:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     handle = serve.run(build_app(SOAK_CONFIG), name=APP_NAME, route_prefix="/")
     return f"http://127.0.0.1:{port}", handle
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(requests: int, concurrency: int, seed: int, num_cpus: int) -> dict[str, Any]:

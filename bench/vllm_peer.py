@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from workers.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,6 @@ def ensure_vllm_venv(path: str | Path | None = None) -> Path:
     return python
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def all_cpus() -> str:

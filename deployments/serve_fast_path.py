@@ -22,8 +22,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import resource
-import socket
 from collections.abc import Callable, Mapping
+
+from workers.ports import free_port
 
 # Descriptors HAProxy keeps per proxied connection (client side, server side, and slack), and
 # what it needs besides connections (listeners, health checks, logs, the admin socket).
@@ -42,12 +43,6 @@ def open_file_limit() -> int:
     """The hard limit: HAProxy raises its own soft limit up to it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if hard == resource.RLIM_INFINITY else hard
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def haproxy_available(environ: Mapping[str, str]) -> bool:

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,15 +21,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers.ports import free_port
+
 # Custom resources that tell the nodes apart (one unit each: a label, not a capacity).
 HEAD_RESOURCE = "tpserve_node_head"
 WORKER_RESOURCE = "tpserve_node_worker"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _ray_executable() -> str:

@@ -7,13 +7,14 @@ has no HTTP route (unfinished requests, used KV blocks) is read through a Serve 
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
+from workers.ports import free_port
 
 # Small settings: quick to load, 32 concurrent sequences fit.
 SERVE_TEST_CONFIG: dict[str, Any] = {
@@ -24,12 +25,6 @@ SERVE_TEST_CONFIG: dict[str, Any] = {
     "max_model_len": 1024,
 }
 SERVE_APP_NAME = "tpserve"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.05) -> None:

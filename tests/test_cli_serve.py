@@ -17,6 +17,7 @@ import pytest
 
 from bench import vllm_peer
 from model_fixtures import make_tiny_llama
+from workers.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ def named_processes(marker: str, comm: str) -> list[int]:
 @pytest.mark.parametrize("fast_path", [True, False], ids=["haproxy", "serve-proxy"])
 def test_serve_streams_frees_a_cut_stream_and_exits_cleanly_on_ctrl_c(tmp_path, fast_path, poll):
     model = make_tiny_llama(tmp_path / "tiny")
-    port = vllm_peer.free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "deployments.cli", "serve", "--port", str(port), "--model", model,
            "--max-model-len", "256", "--kv-cache-memory-gib", "0.05",
            "--ray-serve-fast-path" if fast_path else "--no-ray-serve-fast-path"]

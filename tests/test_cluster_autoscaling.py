@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from conftest import SERVE_TEST_CONFIG, deploy, free_port, wait_until
+from conftest import SERVE_TEST_CONFIG, deploy, wait_until
+from workers.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from cluster_nodes import TwoNodeCluster, free_port, start_two_node_cluster
+from cluster_nodes import TwoNodeCluster, start_two_node_cluster
+from workers.ports import free_port
 from conftest import SERVE_TEST_CONFIG, deploy, wait_until
 from test_k8s_dashboard import load_dashboard, targets, variable_values
 from k8s_validation import substitute_variables

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
@@ -22,6 +21,7 @@ from metrics.definitions import (
 from metrics.loggers import PrometheusStatLogger, RayStatLogger
 from metrics.startup import cache_config_info
 from metrics.stats import FinishedRequestStats, IterationStats, KVCacheSnapshot, SchedulerStats
+from workers.ports import free_port
 
 MODEL = "smollm2"
 SPEC_NAMES = {
@@ -253,10 +253,6 @@ def test_two_prometheus_loggers_do_not_collide():
 # --- Ray
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_ray_logger_needs_a_connected_process():
@@ -272,7 +268,7 @@ def ray_metrics_port():
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("Ray already initialized in this process; cannot choose its metrics port")
-    port = _free_port()
+    port = free_port()
     ray.init(
         include_dashboard=False,
         num_cpus=1,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections import deque
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.control_channel import ERROR, STOP, ControlChannel, make_control_channel, make_control_store
 from workers.parallel_state import TPGroup, nccl_environment
+from workers.ports import free_port
 from workers.worker import WorkerConfig, WorkerCore, WorkerLoadReport
 
 logger = logging.getLogger(__name__)
@@ -41,12 +41,6 @@ logger = logging.getLogger(__name__)
 WORKER_IDLE_TIMEOUT_S = 365 * 24 * 3600.0
 # Forward times kept per rank for `take_forward_times` (benchmarks read the slowest rank's).
 _FORWARD_TIMES_KEPT = 4096
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class Worker:
@@ -66,7 +60,7 @@ class Worker:
     def get_rendezvous(self) -> tuple[str, int]:
         """Rank 0's node address and a port free on it, for every rank's init_distributed."""
         host = ray.util.get_node_ip_address()
-        return host, _free_port(host)
+        return host, free_port(host)
 
     def device_info(self) -> tuple[str, list[str]]:
         """This actor's node and the GPU ids Ray gave it (before any CUDA call in this process)."""

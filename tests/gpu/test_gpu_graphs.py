@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 from gpu_helpers import StepDriver, compare_greedy, random_prompts, smollm2_path
+from workers.ports import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA is not available (torch.cuda.is_available() is False)")
@@ -193,12 +193,6 @@ def test_engine_on_gpu_defaults_to_bf16_and_replays(model_path):
 
 
 # ---- Ray Serve on one GPU ---------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_end_to_end_on_one_gpu(model_path):
     ray = pytest.importorskip("ray", reason="ray is not installed (end-to-end Serve check)")
     httpx = pytest.importorskip("httpx")
@@ -208,7 +202,7 @@ def test_serve_end_to_end_on_one_gpu(model_path):
 
     ray.init(num_cpus=4, num_gpus=1, include_dashboard=False)
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         config = {"model": model_path, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16,
                   "gpu_memory_utilization": 0.3}
@@ -274,7 +268,7 @@ def test_tp2_nccl_graphs_match_eager(model_path, tmp_path):
     tp_model = make_random_smollm2(Path(model_path), tmp_path / "smollm2-tp", hidden_size=512,
                                    num_attention_heads=8, num_key_value_heads=4, head_dim=64)
     result_file = str(tmp_path / "tp2.json")
-    mp.start_processes(_tp_rank, args=(_free_port(), tp_model, result_file), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_rank, args=(free_port(), tp_model, result_file), nprocs=2, start_method="spawn")
     runs = json.loads(open(result_file).read())
     assert runs["graph"]["replays"] == NUM_TOKENS - 1
     for ref, cand, ref_top, cand_top in zip(runs["eager"]["tokens"], runs["graph"]["tokens"], runs["eager"]["top"],
