@@ -5,9 +5,9 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tpserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-cluster prometheus bench bench-deps bench-offline bench-serve bench-tp bench-breakdown model gpu-prepare soak clean
+.PHONY: install kernels serve test test-cluster prometheus bench bench-deps bench-offline bench-serve bench-tp bench-breakdown model gpu-prepare soak clean
 
-install: $(STAMP) model
+install: $(STAMP) model kernels
 
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml
 # Converts the embedded GGUF default model once into an HF folder under $$TPSERVE_CACHE.
 model: $(STAMP)
 	$(PY) -m workers.default_model
+
+# Builds tpserve's CPU kernels once into torch's extension cache (~15 s); where they cannot build
+# this says so and the engine runs torch ops (workers/cpu_ops.py).
+kernels: $(STAMP)
+	$(PY) -m workers.cpu_ops
 
 serve: install
 	$(VENV)/bin/tpserve serve

@@ -84,6 +84,10 @@ class TpserveConfig(BaseModel):
     # CPU: prepack linear weights for oneDNN once after loading (about 1.5x faster projections,
     # bf16 bit-identical results; workers/cpu_linear.py). Off = plain F.linear.
     cpu_prepack_linear: bool = True
+    # CPU: tpserve's own kernels (workers/cpu_ops.py, built once per machine with the system's
+    # g++) for the norms, rotary embedding, SiLU gate, KV write and a paged decode attention that
+    # reads KV blocks in place. Where they cannot build, the torch ops run instead. Off = torch ops.
+    cpu_kernels: bool = True
     # Run decode eagerly on GPU instead of replaying CUDA graphs.
     enforce_eager: bool = False
     # "auto": sampling defaults from the model's generation_config.json (temperature, top_p,

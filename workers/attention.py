@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from workers import cpu_ops
+
 if TYPE_CHECKING:
     from workers.gpu_attention import DecodeAttention
 
@@ -47,7 +49,8 @@ class AttentionMetadata:
     num_decodes: int
     # [num_decodes, max_blocks] block ids, padded with the null block.
     decode_block_tables: torch.Tensor | None
-    # [num_decodes, 1, 1, max_blocks * block_size] True where a key position is inside the context.
+    # [num_decodes, 1, 1, max_blocks * block_size] True where a key position is inside the context
+    # (None when decode_context_lens is set: the CPU kernel reads the lengths instead).
     decode_mask: torch.Tensor | None
     # The prefill chunks after the decodes.
     prefills: list[PrefillChunk]
@@ -57,6 +60,9 @@ class AttentionMetadata:
     # Sliding-window variants of the masks, built by the first layer that needs them this step
     # and reused by the others: (kind, window) -> mask.
     window_masks: dict = field(default_factory=dict)
+    # [num_decodes] int32 context lengths: set, decodes go through the CPU paged-attention kernel,
+    # which reads each context's blocks in place (workers/cpu_ops.py).
+    decode_context_lens: torch.Tensor | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -135,16 +141,21 @@ def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    cpu_kernels: bool = False) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's tokens) -> attention output [T, H * D].
 
     sliding_window: keys more than window - 1 positions behind a query are masked (None: full).
     soft_cap: attention scores capped as cap * tanh(scores / cap) before the softmax (None: not).
+    cpu_kernels: write K/V with the CPU kernel (decodes use it when meta.decode_context_lens is set).
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = num_heads // kv_heads
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if cpu_kernels:
+        cpu_ops.ops().reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if meta.gpu_decode is not None:
         # Only the options a layer uses are passed, so kernels without them still serve Llama.
         extras = {name: value for name, value in (("sliding_window", sliding_window),
@@ -153,7 +164,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
 
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_context_lens is not None:
+        cpu_ops.ops().paged_decode_attention(out[:nd], q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                             meta.decode_context_lens, scale, sliding_window or 0, soft_cap or 0.0)
+    elif nd:
         # [nd, max_blocks, B, KVH, D] -> [nd, KVH, L, D]
         kd = gather_blocks(k_cache, meta.decode_block_tables).transpose(1, 2)
         vd = gather_blocks(v_cache, meta.decode_block_tables).transpose(1, 2)

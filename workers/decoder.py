@@ -11,11 +11,14 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
 from workers.attention import AttentionMetadata
-from workers.decoder_layers import DecoderLayer, make_norm
+from workers import cpu_ops
+from workers.decoder_layers import (DecoderAttention, DecoderLayer, GatedMLP, RMSNorm, forward_fused_residual,
+                                    make_norm)
 from workers.model_config import ModelConfig
 from workers.parallel_state import TPGroup
 from workers.rotary import RotaryEmbedding
@@ -57,6 +60,8 @@ class DecoderForCausalLM(nn.Module):
         # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as HF does.
         self.embedding_multiplier = (None if cfg.embedding_multiplier is None
                                      else float(torch.tensor(cfg.embedding_multiplier, dtype=dtype)))
+        # Llama-style layers pass the residual apart through the CPU kernels (use_cpu_kernels).
+        self.fused_residual = False
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -67,9 +72,27 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embedding_multiplier is not None:
             x = x * self.embedding_multiplier
+        if self.fused_residual:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = forward_fused_residual(layer, positions, x, residual, kv_cache, meta)
+            return cpu_ops.ops().add_rms_norm(residual, x, self.norm.weight, self.norm.eps, self.norm.offset)[1]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
+
+    def use_cpu_kernels(self) -> None:
+        """Route the norms, rotary embedding, SiLU gate, KV write and decode attention through
+        tpserve's CPU kernels (the caller has checked `cpu_ops.load()`). The model runner must
+        then give decodes context lengths instead of a mask (`ModelRunner(cpu_kernels=True)`)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.cpu_kernel = True
+            elif isinstance(module, DecoderAttention):
+                module.cpu_kernel = True
+            elif isinstance(module, GatedMLP):
+                module.silu_kernel = module.act is F.silu
+        self.fused_residual = not self.cfg.sandwich_norms
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head.compute_logits(hidden)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers import cpu_ops
 from workers.attention import AttentionMetadata, paged_attention
 from workers.model_config import ModelConfig
 from workers.parallel_state import TPGroup
@@ -34,8 +35,13 @@ class RMSNorm(nn.Module):
         self.offset = offset
         init = torch.zeros(size, dtype=dtype) if offset else torch.ones(size, dtype=dtype)
         self.weight = nn.Parameter(init, requires_grad=False)
+        # tpserve's CPU kernel for [tokens, size] inputs (workers/cpu_ops.py); set by
+        # DecoderForCausalLM.use_cpu_kernels.
+        self.cpu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel and x.dim() == 2:
+            return cpu_ops.ops().rms_norm(x, self.weight, self.eps, self.offset)
         if not self.offset:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         scaled = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * (self.offset + self.weight.float())
@@ -67,6 +73,8 @@ class DecoderAttention(nn.Module):
         self.scale = cfg.softmax_scale
         self.sliding_window = sliding_window
         self.soft_cap = cfg.attn_logit_softcap
+        # CPU kernels for the rotary embedding and the KV write (set by use_cpu_kernels).
+        self.cpu_kernel = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -78,9 +86,14 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.cpu_kernel:
+            # In place on this layer's fresh qkv buffer (or on the q/k norms' outputs).
+            cpu_ops.ops().rotary_(q, k, positions, self.rotary.cos, self.rotary.sin)
+        else:
+            q, k = self.rotary(positions, q, k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                              sliding_window=self.sliding_window, soft_cap=self.soft_cap)
+                              sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+                              cpu_kernels=self.cpu_kernel)
         return self.o_proj(out)
 
 
@@ -94,8 +107,12 @@ class GatedMLP(nn.Module):
         self.act = _ACTIVATIONS[cfg.hidden_act]
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp, cfg.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, cfg.mlp_bias, dtype)
+        # The CPU kernel's fused SiLU-and-multiply (SwiGLU only; set by use_cpu_kernels).
+        self.silu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_kernel:
+            return self.down_proj(cpu_ops.ops().silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -125,3 +142,22 @@ class DecoderLayer(nn.Module):
             return x + self.mlp(self.post_attention_layernorm(x))
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+def forward_fused_residual(layer: DecoderLayer, positions: torch.Tensor, x: torch.Tensor,
+                           residual: torch.Tensor | None, kv_cache, meta: AttentionMetadata
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama-style layer with the CPU kernels' add + RMSNorm (vLLM's residual passing): the
+    layer returns its MLP output and the residual stream apart, and the next layer's input norm
+    adds them in the same pass. residual None: x is the embedding (the first layer).
+    Same roundings as `DecoderLayer.forward`: residual = x + branch in the model dtype, then norm."""
+    ops = cpu_ops.ops()
+    norm = layer.input_layernorm
+    if residual is None:
+        residual, h = x, norm(x)
+    else:
+        residual, h = ops.add_rms_norm(residual, x, norm.weight, norm.eps, norm.offset)
+    attn = layer.self_attn(positions, h, kv_cache, meta)
+    post = layer.post_attention_layernorm
+    residual, h = ops.add_rms_norm(residual, attn, post.weight, post.eps, post.offset)
+    return layer.mlp(h), residual

@@ -41,7 +41,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, stop_ids: tuple[int, ...],
-                 graph_runner: CudaGraphRunner | None = None) -> None:
+                 graph_runner: CudaGraphRunner | None = None, cpu_kernels: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -52,6 +52,8 @@ class ModelRunner:
         self.is_first_rank = model.tp.is_first_rank
         # Decode-only steps on GPU (None on CPU).
         self.graph_runner = graph_runner
+        # The model runs tpserve's CPU kernels: decodes get context lengths, not a mask.
+        self.cpu_kernels = cpu_kernels
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -101,11 +103,14 @@ class ModelRunner:
             if start + num == len(state.token_ids):
                 samplers.append((state.req_id, len(input_ids) - 1))
 
-        decode_tables = decode_context_mask = None
+        decode_tables = decode_context_mask = decode_context_lens = None
         if decodes:
             width = batch.max_num_blocks
             decode_tables = torch.tensor(padded_block_tables(batch.block_tables, width), device=self.device)
-            decode_context_mask = decode_mask(torch.tensor(batch.context_lens, device=self.device), width * bs)
+            if self.cpu_kernels:
+                decode_context_lens = torch.tensor(batch.context_lens, dtype=torch.int32)
+            else:
+                decode_context_mask = decode_mask(torch.tensor(batch.context_lens, device=self.device), width * bs)
 
         chunks: list[PrefillChunk] = []
         for state, num in prefills:
@@ -125,6 +130,7 @@ class ModelRunner:
             decode_block_tables=decode_tables,
             decode_mask=decode_context_mask,
             prefills=chunks,
+            decode_context_lens=decode_context_lens,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers import cpu_ops
 from workers.cpu_linear import can_prepack, prepack_linears
 from workers.cuda_graph import CudaGraphRunner, make_graph_runner
 from workers.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, check_room_for_one_request, gpu_kv_budget,
@@ -50,6 +51,9 @@ class WorkerConfig:
     decode_attention: str = "auto"
     # CPU only: prepack linear weights for oneDNN once after loading (workers/cpu_linear.py).
     cpu_prepack_linear: bool = True
+    # CPU only: tpserve's own kernels for norms, rotary, SiLU, KV write and decode attention
+    # (workers/cpu_ops.py), where they build on this machine.
+    cpu_kernels: bool = True
 
 
 @dataclass
@@ -78,6 +82,8 @@ class WorkerCore:
         self.model: DecoderForCausalLM | None = None
         self.runner: ModelRunner | None = None
         self.kv_spec: KVCacheSpec | None = None
+        # Whether the model runs tpserve's CPU kernels (decided at load).
+        self.cpu_kernels = False
 
     def load_model(self) -> WorkerLoadReport:
         start = time.perf_counter()
@@ -87,6 +93,9 @@ class WorkerCore:
         param_bytes = model.load_weights(cfg.model_path)
         if cfg.cpu_prepack_linear and can_prepack(self.device, cfg.dtype):
             prepack_linears(model)
+        self.cpu_kernels = cfg.cpu_kernels and self.device.type == "cpu" and cpu_ops.load()
+        if self.cpu_kernels:
+            model.use_cpu_kernels()
         self.model = model.eval()
         load_time = time.perf_counter() - start
         self.kv_spec = kv_spec_for(self.model_config, cfg.block_size, model.num_local_kv_heads, cfg.dtype)
@@ -119,7 +128,7 @@ class WorkerCore:
         stop_ids = tuple(self.model_config.eos_token_ids)
         graph_runner = self._make_graph_runner(kv_caches) if self.device.type == "cuda" else None
         self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, self.device, stop_ids,
-                                  graph_runner=graph_runner)
+                                  graph_runner=graph_runner, cpu_kernels=self.cpu_kernels)
 
     def _make_graph_runner(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CudaGraphRunner:
         """GPU decode runner; its graphs are captured now (the KV cache exists) unless enforce_eager.

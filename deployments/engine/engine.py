@@ -50,6 +50,7 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
         max_num_seqs=config.max_num_seqs,
         max_cuda_graph_batch_size=config.max_cuda_graph_batch_size,
         cpu_prepack_linear=config.cpu_prepack_linear,
+        cpu_kernels=config.cpu_kernels,
     )
 
 

@@ -1,0 +1,186 @@
+"""tpserve's CPU kernels (workers/csrc/cpu_ops.cpp) against the torch code they replace: the same
+roundings as HF's eager modules in bf16 (bit for bit where the math is the same), float32 within
+a few ulp; decode attention against the gather + SDPA path on scattered block tables, GQA,
+sliding windows and soft caps, through both the AVX-512 path (head_dim 64/128) and the portable
+one (head_dim 32); and engines whose greedy tokens do not change with the kernels on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_helpers import greedy, make_engine, run_engine
+from model_fixtures import make_tiny_llama
+from workers import cpu_ops
+from workers.attention import AttentionMetadata, paged_attention, write_kv
+from workers.decode_inputs import decode_mask
+from workers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
+                                                          "(no g++ or ninja; the log says why)")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def ops():
+    return cpu_ops.ops()
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, exact_bf16: bool = True) -> None:
+    if actual.dtype == torch.bfloat16 and exact_bf16:
+        assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
+    else:
+        tol = 2e-2 if actual.dtype == torch.bfloat16 else 2e-5
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm (offset 0) and Gemma's RMSNorm (offset 1, weight stored as w - 1)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (offset + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_hf(dtype, rows, offset):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 2 * 576, dtype=dtype)[:, :576] * 3  # rows with a stride, as a view
+    weight = torch.randn(576, dtype=dtype)
+    assert_matches(ops().rms_norm(x, weight, 1e-5, offset), hf_rms_norm(x, weight, 1e-5, offset))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_returns_the_rounded_sum_and_its_norm(dtype):
+    torch.manual_seed(0)
+    x, y = torch.randn(9, 96, dtype=dtype), torch.randn(9, 96, dtype=dtype)
+    weight = torch.randn(96, dtype=dtype)
+    residual, normed = ops().add_rms_norm(x, y, weight, 1e-6, 0.0)
+    assert torch.equal(residual, x + y)
+    assert_matches(normed, hf_rms_norm(x + y, weight, 1e-6, 0.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 37])  # 37: the scalar tail after the 16-lane loop
+def test_silu_and_mul_matches_torch(dtype, width):
+    torch.manual_seed(width)
+    gate_up = torch.randn(20, 2 * width, dtype=dtype) * 4
+    expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    assert_matches(ops().silu_and_mul(gate_up), expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_matches_the_torch_module(dtype):
+    torch.manual_seed(0)
+    heads, kv_heads, d, tokens = 9, 3, 64, 11
+    rotary = RotaryEmbedding(d, 512, 10000.0, None, dtype)
+    # Views into one qkv buffer, as the attention layer has them.
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype)
+    q = qkv[:, : heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d)
+    positions = torch.tensor([0, 1, 2, 17, 100, 511, 3, 4, 5, 6, 7])
+    expected_q, expected_k = rotary(positions, q, k)
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
+    ops().rotary_(q, k, positions, rotary.cos, rotary.sin)
+    assert_matches(q, expected_q)
+    assert_matches(k, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before), "v must not be touched"
+
+
+def test_reshape_and_cache_matches_write_kv_and_refuses_a_bad_slot():
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.zeros(6, 4, 3, 8), torch.zeros(6, 4, 3, 8)
+    kv = torch.randn(5, 2 * 3 * 8)
+    k, v = kv[:, :24].view(5, 3, 8), kv[:, 24:].view(5, 3, 8)
+    slots = torch.tensor([4, 5, 11, 23, 6])
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    write_kv(ref_k, ref_v, k, v, slots)
+    ops().reshape_and_cache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    with pytest.raises(RuntimeError, match="KV slot out of range"):
+        ops().reshape_and_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 24]))
+
+
+def _decode_case(dtype, head_dim, heads, kv_heads, context_lens, block_size=16, index_dtype=torch.long, seed=0):
+    """Caches with scattered blocks, block tables (padded with block 0), queries."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(widths) + 4
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    ids = list(range(1, num_blocks))
+    random.Random(seed).shuffle(ids)
+    width = max(widths)
+    tables, used = [], 0
+    for w in widths:
+        tables.append(ids[used : used + w] + [0] * (width - w))
+        used += w
+    q = torch.randn(len(context_lens), heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, torch.tensor(tables, dtype=index_dtype), torch.tensor(context_lens, dtype=torch.int32)
+
+
+def _reference(q, k_cache, v_cache, tables, lens, scale, window, soft_cap):
+    """The torch path (gather + SDPA or the eager soft-capped form) with a KV write to the null
+    block only, so the caches are what the kernel reads."""
+    n, _, d = q.shape
+    kv_heads = k_cache.shape[2]
+    meta = AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long), num_decodes=n,
+                             decode_block_tables=tables.long(),
+                             decode_mask=decode_mask(lens.long(), tables.shape[1] * k_cache.shape[1]), prefills=[])
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    null = torch.zeros(n, kv_heads, d, dtype=q.dtype)
+    k_cache[0], v_cache[0] = 0, 0
+    return paged_attention(q, null, null, k_cache, v_cache, meta, scale, window, soft_cap).view_as(q), k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (32, 8, 2)])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (20, None), (None, 30.0)])
+def test_paged_decode_attention_matches_gather_and_sdpa(dtype, head_dim, heads, kv_heads, window, soft_cap):
+    lens = [1, 15, 16, 17, 63, 200]
+    q, k_cache, v_cache, tables, context = _decode_case(dtype, head_dim, heads, kv_heads, lens)
+    scale = head_dim ** -0.5
+    expected, k_cache, v_cache = _reference(q, k_cache, v_cache, tables, context, scale, window, soft_cap)
+    out = torch.empty_like(q)
+    ops().paged_decode_attention(out, q, k_cache, v_cache, tables, context, scale, window or 0, soft_cap or 0.0)
+    assert_matches(out, expected, exact_bf16=False)
+
+
+def test_paged_decode_attention_takes_int32_tables_and_a_strided_query():
+    q, k_cache, v_cache, tables, context = _decode_case(torch.float32, 64, 6, 2, [40, 9], index_dtype=torch.int32)
+    expected, k_cache, v_cache = _reference(q, k_cache, v_cache, tables, context, 0.125, None, None)
+    # The query as the attention layer has it: a view into the qkv buffer (rows strided).
+    qkv = torch.zeros(2, 10 * 64)
+    qkv[:, : 6 * 64] = q.reshape(2, -1)
+    out = torch.empty_like(q)
+    ops().paged_decode_attention(out, qkv[:, : 6 * 64].view(2, 6, 64), k_cache, v_cache, tables, context, 0.125, 0, 0.0)
+    assert_matches(out, expected)
+
+
+def test_paged_decode_attention_refuses_a_context_longer_than_its_table():
+    q, k_cache, v_cache, tables, context = _decode_case(torch.float32, 64, 6, 2, [40, 9])
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        ops().paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, tables,
+                                     torch.tensor([40, 100], dtype=torch.int32), 0.125, 0, 0.0)
+
+
+@pytest.mark.parametrize("tied,head_dim", [(True, 16), (False, 64)])  # the portable and the AVX-512 attention
+def test_engine_greedy_tokens_are_the_same_with_and_without_the_kernels(tmp_path, tied, head_dim):
+    """float32, mixed prefill/decode steps with chunked prefill: on and off generate the same."""
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=tied, head_dim=head_dim)
+    prompts = {f"r{i}": (list(range(3 + i, 40 + 23 * i)), greedy(16)) for i in range(5)}
+    engines = [make_engine(path, cpu_kernels=on, max_num_batched_tokens=64) for on in (False, True)]
+    assert [e.executor.worker.cpu_kernels for e in engines] == [False, True]
+    outputs = [run_engine(engine, prompts) for engine in engines]
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 16 for tokens in outputs[1].values())
+
+
+def test_the_kernels_can_be_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(cpu_ops.ENV_DISABLE, "0")
+    assert cpu_ops._build_and_load() is False

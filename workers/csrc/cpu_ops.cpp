@@ -1,0 +1,439 @@
+// tpserve's CPU kernels (issue 11, lever 5): the decode-step ops that eager torch runs as many
+// small calls, each one call here. Loaded by workers/cpu_ops.py (built once per machine with
+// -march=native; torch's own OpenMP team runs the parallel loops).
+//
+// Numerics follow Hugging Face transformers' eager modules op by op: every intermediate that HF
+// keeps in the model dtype is rounded to it here too (round_to), so bf16 results match the
+// reference's roundings, not just its math. Float math is in fp32 throughout.
+//
+//   rms_norm            Llama: w * bf16(x * rsqrt(mean(x^2) + eps)); Gemma (offset 1): (1 + w) * ..., one rounding
+//   add_rms_norm        residual = x + y (rounded), then rms_norm(residual): one pass for both
+//   silu_and_mul        bf16(silu(gate)) * up, gate/up the two halves of one projection
+//   rotary_             q, k rotated in place (rotate-half layout, cos/sin rows by position)
+//   reshape_and_cache   this step's K/V written into their slots of the paged caches
+//   paged_decode_attention  one query token per request against its context read from the KV
+//                       blocks in place (no gather, no padding); GQA heads share each K/V row read;
+//                       optional sliding window and logit soft cap
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+// float32 and bfloat16, the dtypes a CPU model runs in.
+#define TPSERVE_DISPATCH(TYPE, NAME, ...)                                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::ScalarType::Float, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::ScalarType::BFloat16, __VA_ARGS__))
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }  // BFloat16: round to nearest even
+
+// x rounded to T and back: the rounding HF applies where it keeps an intermediate in T.
+template <typename T>
+inline float round_to(float x) { return to_f(from_f<T>(x)); }
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+
+// exp on 16 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, then
+// scaled by 2^n (scalef). Relative error ~2e-7 (about 2 ulp of fp32), below bf16's and within
+// the fp32 tests' tolerance.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// x rounded to T and back, 16 lanes (round_to's vector form; bf16 needs AVX512-BF16).
+inline __m512 round_vec(__m512 x, float*) { return x; }
+#if defined(__AVX512BF16__)
+inline __m512 round_vec(__m512 x, c10::BFloat16*) {
+  const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+#endif
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+#endif  // __AVX512F__
+
+// Rows per parallel task: small batches stay on the calling thread (an OpenMP fork costs more
+// than normalizing a few rows).
+constexpr int64_t kRowGrain = 16;
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t rows, int64_t n, double eps,
+                   double offset) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) {
+        buf[i] = to_f(xr[i]);
+        ss += buf[i] * buf[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+      T* o = out + r * n;
+      if (offset == 0.0) {
+        // Llama: the normalized row is cast to the model dtype, then scaled by the weight.
+        for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(buf[i] * inv));
+      } else {
+        // Gemma: scaled by (offset + w) in fp32, one cast at the end.
+        const float off = static_cast<float>(offset);
+        for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(buf[i] * inv * (off + to_f(w[i])));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  TPSERVE_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), eps, offset);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                                                double eps, double offset) {
+  check_rows(x, "x");
+  check_rows(y, "y");
+  TORCH_CHECK(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type());
+  auto residual = at::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t rows = x.size(0), n = x.size(1);
+  TPSERVE_DISPATCH(x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* yp = y.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* xr = xp + r * x.stride(0);
+        const scalar_t* yr = yp + r * y.stride(0);
+        scalar_t* rr = rp + r * n;
+        for (int64_t i = 0; i < n; ++i) rr[i] = from_f<scalar_t>(to_f(xr[i]) + to_f(yr[i]));
+      }
+    });
+  });
+  return {residual, rms_norm(residual, weight, eps, offset)};
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = at::empty({rows, n}, gate_up.options());
+  TPSERVE_DISPATCH(gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = in + r * gate_up.stride(0);
+        const scalar_t* u = g + n;
+        int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        for (; i + 16 <= n; i += 16) {
+          const __m512 gf = load16(g + i);
+          const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gf)));
+          const __m512 act = round_vec(_mm512_div_ps(gf, denom), static_cast<scalar_t*>(nullptr));
+          store16(o + r * n + i, _mm512_mul_ps(act, load16(u + i)));
+        }
+#endif
+        for (; i < n; ++i) {
+          const float gf = to_f(g[i]);
+          const float act = round_to<scalar_t>(gf / (1.f + std::exp(-gf)));
+          o[r * n + i] = from_f<scalar_t>(act * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// One head row [D] rotated in place; cos/sin rows [D] in the model dtype (as HF builds them).
+template <typename T>
+inline void rotate_row(T* x, const T* c, const T* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+    // q * cos + rotate_half(q) * sin, each product and the sum rounded as HF's eager ops round them.
+    const float lo = round_to<T>(x1 * to_f(c[i])) + round_to<T>(-x2 * to_f(s[i]));
+    const float hi = round_to<T>(x2 * to_f(c[i + half])) + round_to<T>(x1 * to_f(s[i + half]));
+    x[i] = from_f<T>(lo);
+    x[i + half] = from_f<T>(hi);
+  }
+}
+
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "q, k: [T, heads, D]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && positions.scalar_type() == at::kLong);
+  const int64_t tokens = q.size(0), d = q.size(2), half = d / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  TPSERVE_DISPATCH(q.scalar_type(), "rotary_", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* c = cp + pos[t] * d;
+        const scalar_t* s = sp + pos[t] * d;
+        for (int64_t h = 0; h < q.size(1); ++h) rotate_row(qp + t * q.stride(0) + h * q.stride(1), c, s, half);
+        for (int64_t h = 0; h < k.size(1); ++h) rotate_row(kp + t * k.stride(0) + h * k.stride(1), c, s, half);
+      }
+    });
+  });
+}
+
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                       const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0));
+  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
+  const int64_t row = heads * d;
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const size_t bytes = d * k.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t es = k.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(kc + (slots[t] * row + h * d) * es, kp + (t * k.stride(0) + h * k.stride(1)) * es, bytes);
+      std::memcpy(vc + (slots[t] * row + h * d) * es, vp + (t * v.stride(0) + h * v.stride(1)) * es, bytes);
+    }
+  }
+}
+
+// One (request, KV head): its G query heads against context [start, len) read through the block
+// table. Scores are kept for the whole context (two passes: exact softmax, then the weighted V sum).
+template <typename T, typename Index>
+void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const Index* table, int64_t len,
+                int64_t start, int64_t block_size, int64_t kv_heads, int64_t h, int64_t group, int64_t d,
+                float scale, float soft_cap, std::vector<float>& scores, std::vector<float>& qf,
+                std::vector<float>& acc, std::vector<float>& row) {
+  const int64_t n = len - start;
+  scores.resize(group * n);
+  for (int64_t g = 0; g < group; ++g) load_row(q + g * d, qf.data() + g * d, d);
+  const int64_t row_stride = kv_heads * d;
+  for (int64_t t = start; t < len; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    load_row(k_cache + slot * row_stride + h * d, row.data(), d);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf.data() + g * d;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < d; ++i) dot += qg[i] * row[i];
+      float s = dot * scale;
+      if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
+      scores[g * n + (t - start)] = s;
+    }
+  }
+  std::fill(acc.begin(), acc.begin() + group * d, 0.f);
+  std::vector<float> sums(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * n;
+    const float mx = *std::max_element(sg, sg + n);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = std::exp(sg[i] - mx);
+      sum += sg[i];
+    }
+    sums[g] = sum;
+  }
+  for (int64_t t = start; t < len; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    load_row(v_cache + slot * row_stride + h * d, row.data(), d);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * n + (t - start)];
+      float* ag = acc.data() + g * d;
+      for (int64_t i = 0; i < d; ++i) ag[i] += p * row[i];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / sums[g];
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = from_f<T>(acc[g * d + i] * inv);
+  }
+}
+
+
+#if defined(__AVX512F__)
+// Most query heads per KV head the register-blocked path takes (more: the portable path).
+constexpr int64_t kMaxGroup = 8;
+
+// decode_one for head_dim = 16 * NV: each K row is read once for all G query heads (G dot
+// products on registers), each V row once into G accumulators held in registers.
+template <typename T, typename Index, int NV>
+void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, const Index* table, int64_t len,
+                       int64_t start, int64_t block_size, int64_t kv_heads, int64_t h, int64_t group, float scale,
+                       float soft_cap, std::vector<float>& scores) {
+  constexpr int64_t d = 16 * NV;
+  const int64_t n = len - start;
+  const int64_t padded = (n + 15) / 16 * 16;
+  scores.resize(group * padded);
+  __m512 qv[kMaxGroup][NV];
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_mul_ps(load16(q + g * d + 16 * j), _mm512_set1_ps(scale));
+  const int64_t row_stride = kv_heads * d;
+  for (int64_t t = start; t < len; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const T* kr = k_cache + slot * row_stride + h * d;
+    __m512 kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = load16(kr + 16 * j);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
+      scores[g * padded + (t - start)] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * padded;
+    if (soft_cap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
+    for (int64_t i = n; i < padded; ++i) sg[i] = -INFINITY;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < padded; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + i));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + i), m));
+      _mm512_storeu_ps(sg + i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[kMaxGroup][NV];
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t t = start; t < len; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const T* vr = v_cache + slot * row_stride + h * d;
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(vr + 16 * j);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * padded + (t - start)]);
+      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    alignas(64) float row[d];
+    for (int j = 0; j < NV; ++j) _mm512_store_ps(row + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv_sum[g])));
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = from_f<T>(row[i]);
+  }
+}
+#endif  // __AVX512F__
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t sliding_window, double soft_cap) {
+  // out, q: [N, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables [N, W]; context_lens [N].
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [N, H, D] with contiguous heads");
+  TORCH_CHECK(out.dim() == 3 && out.is_contiguous() && out.sizes() == q.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous());
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous());
+  const int64_t num_reqs = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = block_tables.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == d);
+  const int64_t group = heads / kv_heads;
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && (lens[b] + block_size - 1) / block_size <= width, "context longer than its block table");
+  }
+  TPSERVE_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
+    AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_decode_attention_index", [&] {
+      const scalar_t* qp = q.data_ptr<scalar_t>();
+      scalar_t* op = out.data_ptr<scalar_t>();
+      const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+      const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+      const index_t* tables = block_tables.data_ptr<index_t>();
+      at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, qf(group * d), acc(group * d), row(d);
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t b = item / kv_heads, h = item % kv_heads;
+          const int64_t len = lens[b];
+          const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+          scalar_t* o = op + (b * heads + h * group) * d;
+          const scalar_t* qb = qp + b * q.stride(0) + h * group * d;
+          const index_t* table = tables + b * width;
+#if defined(__AVX512F__)
+          if (group <= kMaxGroup && (d == 64 || d == 128 || d == 256)) {
+            const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+            if (d == 64)
+              decode_one_avx512<scalar_t, index_t, 4>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h, group, sc, cap, scores);
+            else if (d == 128)
+              decode_one_avx512<scalar_t, index_t, 8>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h, group, sc, cap, scores);
+            else
+              decode_one_avx512<scalar_t, index_t, 16>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h, group, sc, cap, scores);
+            continue;
+          }
+#endif
+          decode_one<scalar_t, index_t>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h, group, d,
+                                        static_cast<float>(scale), static_cast<float>(soft_cap), scores, qf, acc, row);
+        }
+      });
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tpserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor y, Tensor weight, float eps, float offset) -> (Tensor, Tensor)", &add_rms_norm);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()", &rotary_);
+  m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+        &reshape_and_cache);
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int sliding_window, float soft_cap) -> ()",
+        &paged_decode_attention);
+}
