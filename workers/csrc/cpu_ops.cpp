@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -309,6 +310,60 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const In
 // Most query heads per KV head the register-blocked path takes (more: the portable path).
 constexpr int64_t kMaxGroup = 8;
 
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+// The totals of four vectors as the four lanes of one __m128: three shuffle-adds for four dot
+// products instead of a full horizontal reduction each.
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// bf16 query . key scores with AVX512-BF16 dot products (pairs of bf16 products summed in fp32,
+// as exact as converting both to fp32 first), four tokens per reduction. NP = head_dim / 32.
+template <typename Index, int NP>
+void qk_scores_bf16(float* scores, int64_t padded, const c10::BFloat16* q, const c10::BFloat16* k_cache,
+                    const Index* table, int64_t start, int64_t len, int64_t block_size, int64_t row_stride,
+                    int64_t h, int64_t group, float scale) {
+  constexpr int64_t d = 32 * NP;
+  __m512bh qv[kMaxGroup][NP];
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < NP; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(q + g * d + 32 * j);
+  const __m128 sc = _mm_set1_ps(scale);
+  auto key_row = [&](int64_t t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    return k_cache + slot * row_stride + h * d;
+  };
+  int64_t t = start;
+  for (; t + 4 <= len; t += 4) {
+    __m512bh kv[4][NP];
+    for (int i = 0; i < 4; ++i) {
+      const c10::BFloat16* kr = key_row(t + i);
+      for (int j = 0; j < NP; ++j) kv[i][j] = (__m512bh)_mm512_loadu_si512(kr + 32 * j);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc[4];
+      for (int i = 0; i < 4; ++i) {
+        acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[i][0]);
+        for (int j = 1; j < NP; ++j) acc[i] = _mm512_dpbf16_ps(acc[i], qv[g][j], kv[i][j]);
+      }
+      _mm_storeu_ps(scores + g * padded + (t - start), _mm_mul_ps(reduce4(acc[0], acc[1], acc[2], acc[3]), sc));
+    }
+  }
+  for (; t < len; ++t) {
+    const c10::BFloat16* kr = key_row(t);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int j = 0; j < NP; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+      scores[g * padded + (t - start)] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+#endif
+
 // decode_one for head_dim = 16 * NV: each K row is read once for all G query heads (G dot
 // products on registers), each V row once into G accumulators held in registers.
 template <typename T, typename Index, int NV>
@@ -319,19 +374,27 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
   const int64_t n = len - start;
   const int64_t padded = (n + 15) / 16 * 16;
   scores.resize(group * padded);
-  __m512 qv[kMaxGroup][NV];
-  for (int64_t g = 0; g < group; ++g)
-    for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_mul_ps(load16(q + g * d + 16 * j), _mm512_set1_ps(scale));
   const int64_t row_stride = kv_heads * d;
-  for (int64_t t = start; t < len; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* kr = k_cache + slot * row_stride + h * d;
-    __m512 kv[NV];
-    for (int j = 0; j < NV; ++j) kv[j] = load16(kr + 16 * j);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
-      scores[g * padded + (t - start)] = _mm512_reduce_add_ps(acc);
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
+    qk_scores_bf16<Index, NV / 2>(scores.data(), padded, q, k_cache, table, start, len, block_size, row_stride, h,
+                                  group, scale);
+  } else
+#endif
+  {
+    __m512 qv[kMaxGroup][NV];
+    for (int64_t g = 0; g < group; ++g)
+      for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_mul_ps(load16(q + g * d + 16 * j), _mm512_set1_ps(scale));
+    for (int64_t t = start; t < len; ++t) {
+      const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+      const T* kr = k_cache + slot * row_stride + h * d;
+      __m512 kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = load16(kr + 16 * j);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
+        scores[g * padded + (t - start)] = _mm512_reduce_add_ps(acc);
+      }
     }
   }
   float inv_sum[kMaxGroup];
