@@ -1,6 +1,6 @@
 """tpserve's CPU kernels (workers/csrc/cpu_ops.cpp) against the torch code they replace: the same
-roundings as HF's eager modules in bf16 (bit for bit where the math is the same), float32 within
-a few ulp; decode attention against the gather + SDPA path on scattered block tables, GQA,
+roundings as HF's eager modules in bf16 (nearly all elements bit for bit, none more than one ulp
+apart), float32 within a few ulp; decode attention against the gather + SDPA path on scattered block tables, GQA,
 sliding windows and soft caps, through both the AVX-512 path (head_dim 64/128) and the portable
 one (head_dim 32); and engines whose greedy tokens do not change with the kernels on."""
 
@@ -29,8 +29,14 @@ def ops():
 
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, exact_bf16: bool = True) -> None:
+    """bf16 with exact_bf16: the same roundings as the reference, so at most one bf16 ulp apart
+    (fp32 sums taken in another order can land on the other side of a rounding boundary) and
+    nearly all elements bit-identical (a missing or extra rounding step changes many).
+    Otherwise within a tolerance of the dtype."""
     if actual.dtype == torch.bfloat16 and exact_bf16:
-        assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
+        same = (actual == expected).float().mean().item()
+        assert same >= 0.99, f"only {same:.1%} of the elements are bit-identical"
     else:
         tol = 2e-2 if actual.dtype == torch.bfloat16 else 2e-5
         torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)

@@ -111,6 +111,24 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t row
     std::vector<float> buf(n);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
+      T* o = out + r * n;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if (n % 16 == 0) {
+        __m512 ssv = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+          const __m512 xv = load16(xr + i);
+          ssv = _mm512_fmadd_ps(xv, xv, ssv);
+        }
+        const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ssv) / static_cast<float>(n) + static_cast<float>(eps));
+        const __m512 invv = _mm512_set1_ps(inv), off = _mm512_set1_ps(static_cast<float>(offset));
+        for (int64_t i = 0; i < n; i += 16) {
+          const __m512 normed = _mm512_mul_ps(load16(xr + i), invv);
+          store16(o + i, offset == 0.0 ? _mm512_mul_ps(load16(w + i), round_vec(normed, static_cast<T*>(nullptr)))
+                                       : _mm512_mul_ps(normed, _mm512_add_ps(off, load16(w + i))));
+        }
+        continue;
+      }
+#endif
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < n; ++i) {
@@ -118,7 +136,6 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t row
         ss += buf[i] * buf[i];
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
-      T* o = out + r * n;
       if (offset == 0.0) {
         // Llama: the normalized row is cast to the model dtype, then scaled by the weight.
         for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(buf[i] * inv));
@@ -158,7 +175,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
         const scalar_t* xr = xp + r * x.stride(0);
         const scalar_t* yr = yp + r * y.stride(0);
         scalar_t* rr = rp + r * n;
-        for (int64_t i = 0; i < n; ++i) rr[i] = from_f<scalar_t>(to_f(xr[i]) + to_f(yr[i]));
+        int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        for (; i + 16 <= n; i += 16) store16(rr + i, _mm512_add_ps(load16(xr + i), load16(yr + i)));
+#endif
+        for (; i < n; ++i) rr[i] = from_f<scalar_t>(to_f(xr[i]) + to_f(yr[i]));
       }
     });
   });
@@ -199,7 +220,20 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // One head row [D] rotated in place; cos/sin rows [D] in the model dtype (as HF builds them).
 template <typename T>
 inline void rotate_row(T* x, const T* c, const T* s, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  T* const tag = nullptr;
+  for (; i + 16 <= half; i += 16) {
+    const __m512 x1 = load16(x + i), x2 = load16(x + i + half);
+    const __m512 lo = _mm512_add_ps(round_vec(_mm512_mul_ps(x1, load16(c + i)), tag),
+                                    round_vec(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16(s + i)), tag));
+    const __m512 hi = _mm512_add_ps(round_vec(_mm512_mul_ps(x2, load16(c + i + half)), tag),
+                                    round_vec(_mm512_mul_ps(x1, load16(s + i + half)), tag));
+    store16(x + i, lo);
+    store16(x + i + half, hi);
+  }
+#endif
+  for (; i < half; ++i) {
     const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
     // q * cos + rotate_half(q) * sin, each product and the sum rounded as HF's eager ops round them.
     const float lo = round_to<T>(x1 * to_f(c[i])) + round_to<T>(-x2 * to_f(s[i]));
