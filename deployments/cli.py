@@ -108,13 +108,16 @@ def serve_command(namespace: argparse.Namespace) -> int:
         print(f"tpserve: {exc}", file=sys.stderr)
         return 2
 
-    if namespace.ray_serve_fast_path and not namespace.ray_address:
+    if not namespace.ray_address:
         # Before Ray is imported and started: Serve reads these at import time in every process
-        # of the cluster, which inherit this environment. (On a cluster joined with
-        # --ray-address, the environment its nodes were started with decides.)
-        from deployments.serve_fast_path import fast_path_env
+        # of the cluster, which inherit this environment, and the raylet nices the workers it
+        # starts. (On a cluster joined with --ray-address, the environment its nodes were started
+        # with decides.)
+        from deployments.serve_fast_path import fast_path_env, worker_priority_env
 
-        os.environ.update(fast_path_env(os.environ))
+        os.environ.update(worker_priority_env(os.environ))
+        if namespace.ray_serve_fast_path:
+            os.environ.update(fast_path_env(os.environ))
 
     # Heavy imports after argument checks: `tpserve --help` stays instant.
     import ray

@@ -40,6 +40,14 @@ def named_processes(marker: str, comm: str) -> list[int]:
     return pids
 
 
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 @pytest.mark.parametrize("fast_path", [True, False], ids=["haproxy", "serve-proxy"])
 def test_serve_streams_frees_a_cut_stream_and_exits_cleanly_on_ctrl_c(tmp_path, fast_path, poll):
     model = make_tiny_llama(tmp_path / "tiny")
@@ -51,6 +59,9 @@ def test_serve_streams_frees_a_cut_stream_and_exits_cleanly_on_ctrl_c(tmp_path, 
     server = vllm_peer.launch(cmd, env, port, tmp_path / "serve.log", "tpserve-cli", "/health", 300)
     try:
         assert bool(named_processes(server.marker, "haproxy")) == fast_path, "the fast path decides the ingress"
+        replicas = [pid for pid in vllm_peer.marked_pids(server.marker) if "ServeReplica" in cmdline(pid)]
+        assert replicas and all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in replicas), \
+            "the replica must run at normal priority, not Ray's default nice 15"
         with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
             body = {"prompt": "Hello there", "max_tokens": 8, "ignore_eos": True, "stream": True}
             with client.stream("POST", "/v1/completions", json=body) as response:

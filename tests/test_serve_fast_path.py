@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deployments.serve_fast_path import MIN_MAXCONN, fast_path_env, haproxy_maxconn
+from deployments.serve_fast_path import MIN_MAXCONN, WORKER_NICENESS, fast_path_env, haproxy_maxconn, worker_priority_env
 
 
 def ports():
@@ -50,3 +50,8 @@ def test_this_install_has_rays_haproxy():
 
     assert haproxy_available({})
 
+
+
+def test_workers_start_at_normal_priority_unless_the_user_set_a_niceness():
+    assert worker_priority_env({}) == {WORKER_NICENESS: "0"}
+    assert worker_priority_env({WORKER_NICENESS: "5"}) == {}

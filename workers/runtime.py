@@ -6,12 +6,15 @@ need the workers' own knowledge (the CPU's flags, CUDA, the cluster's resources,
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from workers.executor import Executor
 from workers.worker import WorkerConfig
+
+logger = logging.getLogger(__name__)
 
 
 def cpu_has_fast_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
