@@ -341,6 +341,16 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const In
 
 
 #if defined(__AVX512F__)
+// How many tokens ahead the decode attention prefetches K/V rows (a block's rows are contiguous,
+// the next block may be anywhere: the hardware prefetcher cannot guess it).
+constexpr int64_t kPrefetchAhead = 8;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 // Most query heads per KV head the register-blocked path takes (more: the portable path).
 constexpr int64_t kMaxGroup = 8;
 
@@ -373,6 +383,8 @@ void qk_scores_bf16(float* scores, int64_t padded, const c10::BFloat16* q, const
   };
   int64_t t = start;
   for (; t + 4 <= len; t += 4) {
+    // Rows of the blocks ahead are scattered: ask for them before they are needed.
+    for (int64_t i = t + kPrefetchAhead; i < std::min(t + kPrefetchAhead + 4, len); ++i) prefetch_row(key_row(i), d);
     __m512bh kv[4][NP];
     for (int i = 0; i < 4; ++i) {
       const c10::BFloat16* kr = key_row(t + i);
@@ -452,6 +464,11 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
   for (int64_t g = 0; g < group; ++g)
     for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
   for (int64_t t = start; t < len; ++t) {
+    if (t + kPrefetchAhead < len) {
+      const int64_t ahead = t + kPrefetchAhead;
+      prefetch_row(v_cache + (static_cast<int64_t>(table[ahead / block_size]) * block_size + ahead % block_size) *
+                                 row_stride + h * d, d);
+    }
     const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
     const T* vr = v_cache + slot * row_stride + h * d;
     __m512 vv[NV];
