@@ -342,8 +342,10 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const In
 
 #if defined(__AVX512F__)
 // How many tokens ahead the decode attention prefetches K/V rows (a block's rows are contiguous,
-// the next block may be anywhere: the hardware prefetcher cannot guess it).
-constexpr int64_t kPrefetchAhead = 8;
+// the next block may be anywhere: the hardware prefetcher cannot guess it). Measured with 30
+// layers of cold caches, 64 x 300-token contexts, bf16: none 1.63, 8 ahead 1.24, 16 1.07,
+// 32 0.98, 64 1.04 ms per layer (15.0 GB/s at 32; a plain sum reads ~16.5 GB/s here).
+constexpr int64_t kPrefetchAhead = 32;
 
 template <typename T>
 inline void prefetch_row(const T* row, int64_t d) {
