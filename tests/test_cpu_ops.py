@@ -190,3 +190,13 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_kernels(tmp_path
 def test_the_kernels_can_be_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv(cpu_ops.ENV_DISABLE, "0")
     assert cpu_ops._build_and_load() is False
+
+
+def test_the_build_is_keyed_by_the_cpu_flags(tmp_path):
+    """A -march=native library is never shared between CPU models (a cluster's shared cache)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("processor : 0\nflags : fpu avx2 avx512f\n")
+    b.write_text("processor : 0\nflags : fpu avx2\n")
+    assert cpu_ops.extension_name(str(a)) != cpu_ops.extension_name(str(b))
+    assert cpu_ops.extension_name(str(a)) == cpu_ops.extension_name(str(a))
+    assert cpu_ops.extension_name(str(a)).startswith(cpu_ops.EXTENSION_NAME)

@@ -7,14 +7,15 @@ request's blocks, padded to the longest context, then SDPA) were about half of a
 on this CPU. Each of those is one call here, and decode attention reads the KV blocks in place.
 
 The build uses torch's extension builder (g++, `-O3 -march=native`, OpenMP so the loops run on
-torch's own thread team) into torch's extension cache, keyed by the source; a second process
-loads the cached library. Where it cannot build (no compiler, a read-only cache), `load()`
-returns False once, logs why, and the model keeps its torch path: the kernels are a speed-up,
-never a requirement.
+torch's own thread team) into torch's extension cache, keyed by this CPU's flags (and by the
+source, which torch checks); a second process loads the cached library. Where it cannot build
+(no compiler, a read-only cache), `load()` returns False once, logs why, and the model keeps its
+torch path: the kernels are a speed-up, never a requirement.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -27,7 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-# Extension (and library) name; the ops register under torch.ops.tpserve_cpu.
+# Extension (and library) name prefix; the ops register under torch.ops.tpserve_cpu.
 EXTENSION_NAME = "tpserve_cpu_ops"
 # -fno-math-errno lets the exp/tanh loops vectorize; OpenMP makes at::parallel_for parallel (the
 # process's one libgomp: torch's, already loaded, answers the same soname).
@@ -59,7 +60,7 @@ def _build_and_load() -> bool:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        load_extension(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        load_extension(name=extension_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         torch.ops.tpserve_cpu.rms_norm  # the registration ran
     except Exception as exc:  # noqa: BLE001 - any build or load failure keeps the torch path
@@ -67,6 +68,18 @@ def _build_and_load() -> bool:
         logger.warning("tpserve CPU kernels unavailable, using torch ops instead: ...%s", str(exc)[-2000:])
         return False
     return True
+
+
+def extension_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """The name keyed by this CPU's instruction-set flags: a library built with -march=native
+    must never be loaded on another CPU model (a cache in a home folder shared by the nodes of
+    a cluster), where it could die of an illegal instruction."""
+    try:
+        with open(cpuinfo_path) as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{EXTENSION_NAME}_{hashlib.sha1(' '.join(sorted(flags.split())).encode()).hexdigest()[:10]}"
 
 
 def ops():
