@@ -168,11 +168,22 @@ def test_paged_decode_attention_takes_int32_tables_and_a_strided_query():
     assert_matches(out, expected)
 
 
-def test_paged_decode_attention_refuses_a_context_longer_than_its_table():
+def test_paged_decode_attention_refuses_tables_that_would_read_outside_the_cache():
     q, k_cache, v_cache, tables, context = _decode_case(torch.float32, 64, 6, 2, [40, 9])
     with pytest.raises(RuntimeError, match="longer than its block table"):
         ops().paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, tables,
                                      torch.tensor([40, 100], dtype=torch.int32), 0.125, 0, 0.0)
+    bad = tables.clone()
+    bad[1, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops().paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, bad, context, 0.125, 0, 0.0)
+
+
+def test_rotary_refuses_a_position_beyond_its_table():
+    rotary = RotaryEmbedding(64, 32, 10000.0, None, torch.float32)
+    q, k = torch.randn(2, 4, 64), torch.randn(2, 2, 64)
+    with pytest.raises(RuntimeError, match="beyond the rotary table"):
+        ops().rotary_(q, k, torch.tensor([3, 32]), rotary.cos, rotary.sin)
 
 
 @pytest.mark.parametrize("tied,head_dim", [(True, 16), (False, 64)])  # the portable and the AVX-512 attention

@@ -247,7 +247,9 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "q, k: [T, heads, D]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && positions.scalar_type() == at::kLong);
   const int64_t tokens = q.size(0), d = q.size(2), half = d / 2;
+  TORCH_CHECK(positions.numel() == tokens && cos.size(1) == d && sin.sizes() == cos.sizes(), "rotary_: shapes");
   const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position beyond the rotary table");
   TPSERVE_DISPATCH(q.scalar_type(), "rotary_", [&] {
     scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* kp = k.data_ptr<scalar_t>();
@@ -501,9 +503,17 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == d);
   const int64_t group = heads / kv_heads;
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < num_reqs; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && (lens[b] + block_size - 1) / block_size <= width, "context longer than its block table");
-  }
+  const int64_t num_blocks = k_cache.size(0);
+  AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_decode_attention_check", [&] {
+    // Every block a context reads must exist: a bad table would read outside the cache.
+    const index_t* tables = block_tables.data_ptr<index_t>();
+    for (int64_t b = 0; b < num_reqs; ++b) {
+      const int64_t used = (lens[b] + block_size - 1) / block_size;
+      TORCH_CHECK(lens[b] >= 1 && used <= width, "context longer than its block table");
+      for (int64_t i = 0; i < used; ++i)
+        TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < num_blocks, "block id out of range");
+    }
+  });
   TPSERVE_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
     AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_decode_attention_index", [&] {
       const scalar_t* qp = q.data_ptr<scalar_t>();
