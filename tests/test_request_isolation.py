@@ -206,6 +206,12 @@ def test_request_stream_merges_what_the_consumer_has_not_read():
     asyncio.run(scenario())
 
 
+def delivered_finished(engine: AsyncEngine, request_id: str) -> bool:
+    """The request's final output waits, unread, in its stream."""
+    stream = engine._streams.get(request_id)
+    return stream is not None and stream._pending is not None and stream._pending.finished
+
+
 def test_a_slow_client_reads_one_merged_output_not_one_per_token(tiny_model, reference):
     """The consumer reads nothing until the request is over: it then gets ONE output with every
     token (not a backlog of 12), and the tokens are the engine's own."""
@@ -216,8 +222,11 @@ def test_a_slow_client_reads_one_merged_output_not_one_per_token(tiny_model, ref
     async def scenario() -> list[RequestOutput]:
         stream = engine.generate("r0", PROMPTS["r0"], greedy(MAX_TOKENS), time.monotonic())
         reads = [await anext(stream)]  # admitted; the first output (its prefill) is read
-        while engine.num_unfinished_requests:
-            await asyncio.sleep(0.01)  # the client is busy; the engine runs the request to its end
+        # The client is busy while the engine runs the request to its end and the event loop
+        # hands it the last output. (Waiting on the engine alone races: a step finishes the
+        # request on the step thread a moment before the loop delivers that step's output.)
+        while not delivered_finished(engine, "r0"):
+            await asyncio.sleep(0.01)
         reads += [out async for out in stream]
         return reads
 
