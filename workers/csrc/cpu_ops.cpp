@@ -7,7 +7,7 @@
 // reference's roundings, not just its math. Float math is in fp32 throughout.
 //
 //   rms_norm            Llama: w * bf16(x * rsqrt(mean(x^2) + eps)); Gemma (offset 1): (1 + w) * ..., one rounding
-//   add_rms_norm        residual = x + y (rounded), then rms_norm(residual): one pass for both
+//   add_rms_norm        residual = x + y (rounded), then rms_norm(residual): one call for both
 //   silu_and_mul        bf16(silu(gate)) * up, gate/up the two halves of one projection
 //   rotary_             q, k rotated in place (rotate-half layout, cos/sin rows by position)
 //   reshape_and_cache   this step's K/V written into their slots of the paged caches
@@ -188,6 +188,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: the gate and up halves must be the same width");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   auto out = at::empty({rows, n}, gate_up.options());
   TPSERVE_DISPATCH(gate_up.scalar_type(), "silu_and_mul", [&] {
