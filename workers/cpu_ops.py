@@ -74,12 +74,17 @@ def extension_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     """The name keyed by this CPU's instruction-set flags: a library built with -march=native
     must never be loaded on another CPU model (a cache in a home folder shared by the nodes of
     a cluster), where it could die of an illegal instruction."""
+    flags = " ".join(sorted(cpu_flags(cpuinfo_path)))
+    return f"{EXTENSION_NAME}_{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+
+
+def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's instruction-set flags from cpuinfo (empty where it cannot be read)."""
     try:
         with open(cpuinfo_path) as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            return set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        flags = ""
-    return f"{EXTENSION_NAME}_{hashlib.sha1(' '.join(sorted(flags.split())).encode()).hexdigest()[:10]}"
+        return set()
 
 
 def ops():
