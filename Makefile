@@ -59,9 +59,10 @@ bench-deps: install
 bench-offline: install
 	$(PY) -m bench.offline_throughput
 
-# tpserve vs vLLM's CPU build at 1, 16 and 64 streams plus the offline engines (issue 11), both
-# in bfloat16 (vLLM's own CPU default). BENCH_SERVE_ARGS="--dtype float32" to compare in float32.
-BENCH_SERVE_ARGS ?= --dtype bfloat16
+# tpserve vs vLLM's CPU build at 1, 16 and 64 streams plus the offline engines (issue 11), both in
+# the dtype tpserve's auto picks on this CPU (bfloat16 with AVX512-BF16/AMX, else float32).
+# BENCH_SERVE_ARGS="--dtype bfloat16" to force one.
+BENCH_SERVE_ARGS ?=
 bench-serve: install
 	$(PY) -m bench.serve_compare $(BENCH_SERVE_ARGS)
 

@@ -131,6 +131,26 @@ def describe_workloads(model_dir: Path, workloads: dict[int, list], args) -> dic
     }
 
 
+def concrete_dtype(name: str) -> str:
+    """The dtype both servers get: "auto" becomes the one tpserve's auto picks on this CPU, so that
+    vLLM runs in it too (on a CPU without bf16 instructions a bf16 matmul is ~7x slower than fp32:
+    comparing there in bf16 would measure an emulation nobody serves with)."""
+    if name != "auto":
+        return name
+    from workers.runtime import resolve_dtype
+
+    return str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+
+
+def cpu_model(cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name, so a result says which machine it came from."""
+    try:
+        with open(cpuinfo_path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def _interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
@@ -146,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--request-rate", type=float, default=math.inf)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", help="dtype of both servers (float32 or bfloat16)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="dtype of both servers; auto: what tpserve's auto picks on this CPU (bfloat16 with "
+                        "AVX512-BF16 or AMX, else float32), given to both as that dtype")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64, help="both servers (tpserve's default)")
     p.add_argument("--max-duration", type=float, default=900, help="cap on each load run, seconds")
@@ -159,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", choices=["tpserve", "vllm"], action="append", default=[])
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
+    args.dtype = concrete_dtype(args.dtype)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # SIGTERM (CI timeout, kill) must unwind through the `finally` blocks that stop the servers.
@@ -171,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrencies.split(",")]
     workloads = make_workloads(tokenizer, levels, args)
     out: dict = {"workload": describe_workloads(model_dir, workloads, args),
-                 "machine": {"cpus": len(os.sched_getaffinity(0)), "loadavg_before": os.getloadavg()}}
+                 "machine": {"cpus": len(os.sched_getaffinity(0)), "cpu_model": cpu_model(),
+                             "loadavg_before": os.getloadavg()}}
     if not args.skip_offline:
         offline_reqs = workloads[16] if 16 in workloads else workloads[levels[-1]]
         out["offline"] = run_offline(model_dir, args.model_dir is None, offline_reqs, tokenizer, args)

@@ -1,8 +1,8 @@
 """tpserve's CPU kernels (workers/csrc/cpu_ops.cpp) against the torch code they replace: the same
 roundings as HF's eager modules in bf16 (nearly all elements bit for bit, none more than one ulp
 apart), float32 within a few ulp; decode attention against the gather + SDPA path on scattered block tables, GQA,
-sliding windows and soft caps, through both the AVX-512 path (head_dim 64/128) and the portable
-one (head_dim 32); and engines whose greedy tokens do not change with the kernels on."""
+sliding windows and soft caps, through both the vectorized path (head_dim 64/128: AVX-512, or AVX2
+on a CPU without it) and the portable one (head_dim 32); and engines whose greedy tokens do not change with the kernels on."""
 
 from __future__ import annotations
 
@@ -145,7 +145,9 @@ def _reference(q, k_cache, v_cache, tables, lens, scale, window, soft_cap):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (32, 8, 2)])
+# Query heads per KV head 1-9: every group size the AVX2 path is compiled for, and 9 (beyond it: portable).
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (32, 8, 2), (64, 8, 4), (128, 8, 2),
+                                                    (64, 10, 2), (128, 12, 2), (64, 14, 2), (64, 16, 2), (64, 9, 1)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (20, None), (None, 30.0)])
 def test_paged_decode_attention_matches_gather_and_sdpa(dtype, head_dim, heads, kv_heads, window, soft_cap):
     lens = [1, 15, 16, 17, 63, 200]
@@ -186,7 +188,7 @@ def test_rotary_refuses_a_position_beyond_its_table():
         ops().rotary_(q, k, torch.tensor([3, 32]), rotary.cos, rotary.sin)
 
 
-@pytest.mark.parametrize("tied,head_dim", [(True, 16), (False, 64)])  # the portable and the AVX-512 attention
+@pytest.mark.parametrize("tied,head_dim", [(True, 16), (False, 64)])  # the portable and the vectorized attention
 def test_engine_greedy_tokens_are_the_same_with_and_without_the_kernels(tmp_path, tied, head_dim):
     """float32, mixed prefill/decode steps with chunked prefill: on and off generate the same."""
     path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=tied, head_dim=head_dim)

@@ -96,6 +96,80 @@ inline void store16(c10::BFloat16* p, __m512 x) {
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 #endif  // __AVX512F__
 
+// The 8-lane (AVX2 + FMA) forms of the helpers above, for CPUs without AVX-512 (AMD Zen 1-3,
+// Intel client parts): the same math and the same roundings, half the lanes. Measured on a 2-core
+// AMD EPYC (Zen 1), float32, the default model's decode step at 16 x 300-token contexts: attention
+// 1.67 -> 0.80 ms per layer, SiLU gate 290 -> 54 us (the portable loops ran before).
+#if defined(__AVX2__) && defined(__FMA__)
+#define TPSERVE_AVX2 1
+#include <immintrin.h>
+
+// exp on 8 floats: exp512's reduction and polynomial; 2^n is built from its exponent bits, so x
+// is clamped to [-87, 88] (n stays a normal exponent; e^-87 ~ 1.6e-38 is 0 to any softmax or SiLU).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// The bf16 bits of 8 floats (low half of each lane), rounded as c10::BFloat16 rounds: to nearest
+// even, NaN to 0x7FC0 (AVX2 has no bf16 convert).
+inline __m256i bf16_bits(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+}
+
+// x rounded to T and back, 8 lanes (round_to's vector form).
+inline __m256 round_vec8(__m256 x, float*) { return x; }
+inline __m256 round_vec8(__m256 x, c10::BFloat16*) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16)); }
+
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(c10::BFloat16* p, __m256 x) {
+  // 32 -> 16 bits per lane: packus works within 128-bit halves, the permute joins them.
+  const __m256i bits = bf16_bits(x);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The totals of four vectors as the four lanes of one __m128 (three hadds for four dot products).
+inline __m128 reduce4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif  // __AVX2__ && __FMA__
+
 // Rows per parallel task: small batches stay on the calling thread (an OpenMP fork costs more
 // than normalizing a few rows).
 constexpr int64_t kRowGrain = 16;
@@ -125,6 +199,22 @@ void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t row
           const __m512 normed = _mm512_mul_ps(load16(xr + i), invv);
           store16(o + i, offset == 0.0 ? _mm512_mul_ps(load16(w + i), round_vec(normed, static_cast<T*>(nullptr)))
                                        : _mm512_mul_ps(normed, _mm512_add_ps(off, load16(w + i))));
+        }
+        continue;
+      }
+#elif defined(TPSERVE_AVX2)
+      if (n % 8 == 0) {
+        __m256 ssv = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) {
+          const __m256 xv = load8(xr + i);
+          ssv = _mm256_fmadd_ps(xv, xv, ssv);
+        }
+        const float inv = 1.f / std::sqrt(hsum8(ssv) / static_cast<float>(n) + static_cast<float>(eps));
+        const __m256 invv = _mm256_set1_ps(inv), off = _mm256_set1_ps(static_cast<float>(offset));
+        for (int64_t i = 0; i < n; i += 8) {
+          const __m256 normed = _mm256_mul_ps(load8(xr + i), invv);
+          store8(o + i, offset == 0.0 ? _mm256_mul_ps(load8(w + i), round_vec8(normed, static_cast<T*>(nullptr)))
+                                      : _mm256_mul_ps(normed, _mm256_add_ps(off, load8(w + i))));
         }
         continue;
       }
@@ -178,6 +268,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
         int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         for (; i + 16 <= n; i += 16) store16(rr + i, _mm512_add_ps(load16(xr + i), load16(yr + i)));
+#elif defined(TPSERVE_AVX2)
+        for (; i + 8 <= n; i += 8) store8(rr + i, _mm256_add_ps(load8(xr + i), load8(yr + i)));
 #endif
         for (; i < n; ++i) rr[i] = from_f<scalar_t>(to_f(xr[i]) + to_f(yr[i]));
       }
@@ -206,6 +298,13 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
           const __m512 act = round_vec(_mm512_div_ps(gf, denom), static_cast<scalar_t*>(nullptr));
           store16(o + r * n + i, _mm512_mul_ps(act, load16(u + i)));
         }
+#elif defined(TPSERVE_AVX2)
+        for (; i + 8 <= n; i += 8) {
+          const __m256 gf = load8(g + i);
+          const __m256 denom = _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gf)));
+          const __m256 act = round_vec8(_mm256_div_ps(gf, denom), static_cast<scalar_t*>(nullptr));
+          store8(o + r * n + i, _mm256_mul_ps(act, load8(u + i)));
+        }
 #endif
         for (; i < n; ++i) {
           const float gf = to_f(g[i]);
@@ -232,6 +331,17 @@ inline void rotate_row(T* x, const T* c, const T* s, int64_t half) {
                                     round_vec(_mm512_mul_ps(x1, load16(s + i + half)), tag));
     store16(x + i, lo);
     store16(x + i + half, hi);
+  }
+#elif defined(TPSERVE_AVX2)
+  T* const tag = nullptr;
+  for (; i + 8 <= half; i += 8) {
+    const __m256 x1 = load8(x + i), x2 = load8(x + i + half);
+    const __m256 lo = _mm256_add_ps(round_vec8(_mm256_mul_ps(x1, load8(c + i)), tag),
+                                    round_vec8(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), load8(s + i)), tag));
+    const __m256 hi = _mm256_add_ps(round_vec8(_mm256_mul_ps(x2, load8(c + i + half)), tag),
+                                    round_vec8(_mm256_mul_ps(x1, load8(s + i + half)), tag));
+    store8(x + i, lo);
+    store8(x + i + half, hi);
   }
 #endif
   for (; i < half; ++i) {
@@ -343,7 +453,7 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const In
 }
 
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(TPSERVE_AVX2)
 // How many tokens ahead the decode attention prefetches K/V rows (a block's rows are contiguous,
 // the next block may be anywhere: the hardware prefetcher cannot guess it). Measured with 30
 // layers of cold caches, 64 x 300-token contexts, bf16: none 1.63, 8 ahead 1.24, 16 1.07,
@@ -358,6 +468,9 @@ inline void prefetch_row(const T* row, int64_t d) {
 
 // Most query heads per KV head the register-blocked path takes (more: the portable path).
 constexpr int64_t kMaxGroup = 8;
+#endif
+
+#if defined(__AVX512F__)
 
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__)
 // The totals of four vectors as the four lanes of one __m128: three shuffle-adds for four dot
@@ -491,6 +604,118 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
 }
 #endif  // __AVX512F__
 
+#if defined(TPSERVE_AVX2) && !defined(__AVX512F__)
+// decode_one for head_dim = 8 * NV and G query heads per KV head, both compile-time so that the
+// accumulators are registers (AVX2 has 16). Scores: each K row is read for the G heads, four
+// tokens per reduction. Weighted V sum: the head is walked in slices of two vectors (one 64-byte
+// line of a float32 row), all tokens per slice with G x 2 accumulators; the context's V rows
+// (tens of KB) stay in L2 between slices, and the first slice prefetches whole rows ahead.
+template <typename T, typename Index, int NV, int G>
+void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, const Index* table, int64_t len,
+                     int64_t start, int64_t block_size, int64_t kv_heads, int64_t h, float scale, float soft_cap,
+                     std::vector<float>& scores) {
+  static_assert(NV % 2 == 0, "head_dim must be a multiple of 16");
+  constexpr int64_t d = 8 * NV;
+  const int64_t n = len - start;
+  const int64_t padded = (n + 7) / 8 * 8;
+  scores.resize(G * padded);
+  const int64_t row_stride = kv_heads * d;
+  auto row_at = [&](const T* cache, int64_t t) {
+    return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride + h * d;
+  };
+  __m256 qv[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) qv[g][j] = _mm256_mul_ps(load8(q + g * d + 8 * j), _mm256_set1_ps(scale));
+  int64_t t = start;
+  for (; t + 4 <= len; t += 4) {
+    for (int64_t i = t + kPrefetchAhead; i < std::min(t + kPrefetchAhead + 4, len); ++i) prefetch_row(row_at(k_cache, i), d);
+    const T* kr[4] = {row_at(k_cache, t), row_at(k_cache, t + 1), row_at(k_cache, t + 2), row_at(k_cache, t + 3)};
+    for (int g = 0; g < G; ++g) {
+      __m256 a[4];
+      for (int i = 0; i < 4; ++i) {
+        a[i] = _mm256_mul_ps(qv[g][0], load8(kr[i]));
+        for (int j = 1; j < NV; ++j) a[i] = _mm256_fmadd_ps(qv[g][j], load8(kr[i] + 8 * j), a[i]);
+      }
+      _mm_storeu_ps(scores.data() + g * padded + (t - start), reduce4_256(a[0], a[1], a[2], a[3]));
+    }
+  }
+  for (; t < len; ++t) {
+    const T* kr = row_at(k_cache, t);
+    for (int g = 0; g < G; ++g) {
+      __m256 a = _mm256_mul_ps(qv[g][0], load8(kr));
+      for (int j = 1; j < NV; ++j) a = _mm256_fmadd_ps(qv[g][j], load8(kr + 8 * j), a);
+      scores[g * padded + (t - start)] = hsum8(a);
+    }
+  }
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * padded;
+    if (soft_cap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
+    for (int64_t i = n; i < padded; ++i) sg[i] = -INFINITY;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < padded; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + i));
+    const __m256 m = _mm256_set1_ps(hmax8(mx));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
+      _mm256_storeu_ps(sg + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.f / hsum8(sum);
+  }
+  for (int c = 0; c < NV; c += 2) {
+    __m256 acc[G][2];
+    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    for (int64_t t = start; t < len; ++t) {
+      if (c == 0 && t + kPrefetchAhead < len) prefetch_row(row_at(v_cache, t + kPrefetchAhead), d);
+      const T* vr = row_at(v_cache, t) + 8 * c;
+      const __m256 v0 = load8(vr), v1 = load8(vr + 8);
+      for (int g = 0; g < G; ++g) {
+        const __m256 p = _mm256_broadcast_ss(scores.data() + g * padded + (t - start));
+        acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 inv = _mm256_set1_ps(inv_sum[g]);
+      store8(out + g * d + 8 * c, _mm256_mul_ps(acc[g][0], inv));
+      store8(out + g * d + 8 * c + 8, _mm256_mul_ps(acc[g][1], inv));
+    }
+  }
+}
+
+// The G (query heads per KV head) and head_dim decode_one_avx2 is built for; false: not one.
+template <typename T, typename Index>
+bool decode_one_avx2_dispatch(T* out, const T* q, const T* k_cache, const T* v_cache, const Index* table,
+                              int64_t len, int64_t start, int64_t block_size, int64_t kv_heads, int64_t h,
+                              int64_t group, int64_t d, float scale, float soft_cap, std::vector<float>& scores) {
+#define TPSERVE_DECODE_AVX2(NV, G)                                                                          \
+  case G:                                                                                                 \
+    decode_one_avx2<T, Index, NV, G>(out, q, k_cache, v_cache, table, len, start, block_size, kv_heads, h, \
+                                     scale, soft_cap, scores);                                            \
+    return true;
+#define TPSERVE_DECODE_AVX2_GROUPS(NV) \
+  switch (group) {                     \
+    TPSERVE_DECODE_AVX2(NV, 1)         \
+    TPSERVE_DECODE_AVX2(NV, 2)         \
+    TPSERVE_DECODE_AVX2(NV, 3)         \
+    TPSERVE_DECODE_AVX2(NV, 4)         \
+    TPSERVE_DECODE_AVX2(NV, 5)         \
+    TPSERVE_DECODE_AVX2(NV, 6)         \
+    TPSERVE_DECODE_AVX2(NV, 7)         \
+    TPSERVE_DECODE_AVX2(NV, 8)         \
+    default:                           \
+      return false;                    \
+  }
+  if (d == 64) TPSERVE_DECODE_AVX2_GROUPS(8)
+  if (d == 128) TPSERVE_DECODE_AVX2_GROUPS(16)
+#undef TPSERVE_DECODE_AVX2_GROUPS
+#undef TPSERVE_DECODE_AVX2
+  return false;
+}
+#endif  // TPSERVE_AVX2 && !__AVX512F__
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t sliding_window, double soft_cap) {
@@ -542,6 +767,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
               decode_one_avx512<scalar_t, index_t, 16>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h, group, sc, cap, scores);
             continue;
           }
+#elif defined(TPSERVE_AVX2)
+          if (decode_one_avx2_dispatch<scalar_t, index_t>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h,
+                                                          group, d, static_cast<float>(scale),
+                                                          static_cast<float>(soft_cap), scores))
+            continue;
 #endif
           decode_one<scalar_t, index_t>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h, group, d,
                                         static_cast<float>(scale), static_cast<float>(soft_cap), scores, qf, acc, row);
