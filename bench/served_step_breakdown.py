@@ -1,6 +1,6 @@
 """Where a served token's time goes: tpserve under streaming load, measured from inside.
 
-    python -m bench.served_step_breakdown [--concurrency 16] [--dtype bfloat16] [--window 20]
+    python -m bench.served_step_breakdown [--concurrency 16] [--dtype auto] [--window 20]
         [--tpserve-arg=--foo ...]
 
 Starts `tpserve serve` (as bench.serve_compare does), loads it with `--concurrency` streams of the
@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from bench import proc_cpu, vllm_peer
-from bench.serve_compare import make_workloads, start_tpserve
+from bench.serve_compare import concrete_dtype, make_workloads, start_tpserve
 from bench.serve_load import LoadConfig, run_load
 from bench.stack_categories import categorize, thread_names
 from bench.workload import load_tokenizer
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=20.0, help="seconds of steady load measured")
     p.add_argument("--settle", type=float, default=20.0, help="seconds of load before the window")
     p.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto: the dtype tpserve's auto picks on this CPU")
     p.add_argument("--raw-out", default=None, help="also keep py-spy's raw stacks here")
     p.add_argument("--input-len-min", type=int, default=64)
     p.add_argument("--input-len-max", type=int, default=512)
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpserve-bin", default=None)
     p.add_argument("--tpserve-arg", action="append", default=[], help="extra `tpserve serve` argument (repeat)")
     args = p.parse_args(argv)
+    args.dtype = concrete_dtype(args.dtype)
 
     from workers.default_model import ensure_default_model
 

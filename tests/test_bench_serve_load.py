@@ -154,3 +154,17 @@ def test_workload_is_deterministic(tmp_path):
     assert x == workload.file_requests(path, 2, 9, tok, seed=1) and len(x) == 2
     every = workload.file_requests(path, 5, 9, None)
     assert [r.max_tokens for r in every] == [5, 9, 9, 5, 9]
+
+
+def test_bench_dtype_auto_is_the_engines_auto_on_this_cpu(monkeypatch):
+    """serve_compare's `--dtype auto` gives both servers the dtype tpserve's auto picks: bfloat16
+    only where the CPU has bf16 instructions (elsewhere bf16 matmuls are emulated), and an
+    explicit dtype passes through unchanged."""
+    from bench.serve_compare import concrete_dtype
+    from workers import runtime
+
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda *_: True)
+    assert concrete_dtype("auto") == "bfloat16"
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda *_: False)
+    assert concrete_dtype("auto") == "float32"
+    assert concrete_dtype("bfloat16") == "bfloat16"
