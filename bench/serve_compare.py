@@ -30,6 +30,7 @@ from pathlib import Path
 from bench import vllm_peer
 from bench.serve_load import LoadConfig, run_load
 from bench.workload import load_tokenizer, random_requests
+from workers.cpu_ops import cpuinfo_field
 from workers.ports import free_port
 
 logger = logging.getLogger("bench.serve_compare")
@@ -142,15 +143,6 @@ def concrete_dtype(name: str) -> str:
     return str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
 
 
-def cpu_model(cpuinfo_path: str = "/proc/cpuinfo") -> str:
-    """The CPU's model name, so a result says which machine it came from."""
-    try:
-        with open(cpuinfo_path) as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
 def _interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
@@ -194,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrencies.split(",")]
     workloads = make_workloads(tokenizer, levels, args)
     out: dict = {"workload": describe_workloads(model_dir, workloads, args),
-                 "machine": {"cpus": len(os.sched_getaffinity(0)), "cpu_model": cpu_model(),
+                 "machine": {"cpus": len(os.sched_getaffinity(0)), "cpu_model": cpuinfo_field("model name"),
                              "loadavg_before": os.getloadavg()}}
     if not args.skip_offline:
         offline_reqs = workloads[16] if 16 in workloads else workloads[levels[-1]]

@@ -94,6 +94,18 @@ def test_no_cpuinfo_means_no_fast_bf16(tmp_path):
     assert runtime.cpu_has_fast_bf16(str(tmp_path / "missing")) is False
 
 
+def test_cpuinfo_field_reads_the_first_cpus_line(tmp_path):
+    from workers.cpu_ops import cpuinfo_field
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2\n\n"
+                       "processor\t: 1\nmodel name\t: other\n")
+    assert cpuinfo_field("model name", str(cpuinfo)) == "AMD EPYC"
+    assert cpuinfo_field("flags", str(cpuinfo)) == "fpu avx2"
+    assert cpuinfo_field("microcode", str(cpuinfo)) == ""
+    assert cpuinfo_field("flags", str(tmp_path / "missing")) == ""
+
+
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_auto_dtype(monkeypatch, fast_bf16):
     monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: fast_bf16)

@@ -80,11 +80,18 @@ def extension_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
 
 def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> set[str]:
     """The CPU's instruction-set flags from cpuinfo (empty where it cannot be read)."""
+    return set(cpuinfo_field("flags", cpuinfo_path).split())
+
+
+def cpuinfo_field(name: str, cpuinfo_path: str = "/proc/cpuinfo") -> str:
+    """The value of the first CPU's `name` line in cpuinfo ("flags", "model name"); "" where the
+    file or the line is missing."""
     try:
         with open(cpuinfo_path) as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
+            line = next((line for line in f if line.split(":", 1)[0].strip() == name), "")
     except OSError:
-        return set()
+        return ""
+    return line.split(":", 1)[1].strip() if ":" in line else ""
 
 
 def ops():
