@@ -9,6 +9,14 @@ bit-identical to `F.linear`; float32 ones agree to 1e-5 (F.linear sums a single 
 order). Checked in tests/test_cpu_linear.py, with an engine's greedy tokens equal either way.
 
 A layer holds `packed_weight` (None = plain `F.linear`); `linear()` dispatches on it.
+
+Few rows (a decode step at low concurrency, float32) go to tpserve's `skinny_linear` kernel
+instead (workers/csrc/skinny_linear.cpp) on the plain weight: they are bound by how fast the weights
+stream from memory, which oneDNN's GEMM does at about two thirds of the speed that kernel reaches
+(1.3-1.5x slower for 1-8 rows, measured on a 2-core AMD EPYC over the default model's
+projections). That costs a second copy of each projection weight (the plain one is kept beside
+the packed one; an LM head tied to the embedding shares the table it already keeps):
+`small_batch_rows` on the layer says up to how many rows (0 = never, and no second copy).
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ PACK_BATCH_HINT = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed_weight: torch.Tensor | None) -> torch.Tensor:
+           packed_weight: torch.Tensor | None, small_batch_rows: int = 0) -> torch.Tensor:
     if packed_weight is None:
         return F.linear(x, weight, bias)
+    if x.dim() == 2 and x.size(0) <= small_batch_rows:
+        return torch.ops.tpserve_cpu.skinny_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
@@ -38,11 +48,13 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, small_batch_rows: int = 0) -> int:
     """Pack the weight of every layer that has a `packed_weight` slot; returns how many.
 
-    A weight no other module uses is dropped afterwards (the packed copy replaces it); one that is
-    shared (an LM head tied to the embedding table) is kept for its other user."""
+    small_batch_rows > 0 (float32 weights, tpserve's CPU kernels loaded: the caller checks): batches
+    of up to that many rows run `skinny_linear` on the plain weight, which is then kept. Otherwise a
+    weight no other module uses is dropped (the packed copy replaces it); one that is shared (an LM
+    head tied to the embedding table) is kept for its other user."""
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
     packable_ids = {id(m) for m in layers}
     shared = {p.data_ptr() for m in model.modules() if id(m) not in packable_ids
@@ -50,7 +62,8 @@ def prepack_linears(model: nn.Module) -> int:
     for layer in layers:
         weight = layer.weight
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
-        if weight.data_ptr() not in shared:
+        layer.small_batch_rows = small_batch_rows
+        if small_batch_rows <= 0 and weight.data_ptr() not in shared:
             # Keep the parameter (its dtype and name stay visible) but free its storage.
             weight.data = torch.empty(0, dtype=weight.dtype)
     return len(layers)

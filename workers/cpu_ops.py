@@ -1,5 +1,5 @@
-"""tpserve's CPU kernels (workers/csrc/cpu_ops.cpp): built once per machine, then loaded as
-`torch.ops.tpserve_cpu.*`.
+"""tpserve's CPU kernels (workers/csrc/cpu_ops.cpp, and skinny_linear.cpp for the projections of
+small decode batches): built once per machine, then loaded as `torch.ops.tpserve_cpu.*`.
 
 Why our own kernels: a decode step of the default model ran ~6,000 eager torch calls; the norms,
 the rotary embedding, the SiLU gate, the KV write and the decode attention (a gather of every
@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "skinny_linear.cpp")]
 # Extension (and library) name prefix; the ops register under torch.ops.tpserve_cpu.
 EXTENSION_NAME = "tpserve_cpu_ops"
 # -fno-math-errno lets the exp/tanh loops vectorize; OpenMP makes at::parallel_for parallel (the
@@ -60,7 +60,7 @@ def _build_and_load() -> bool:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        load_extension(name=extension_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        load_extension(name=extension_name(), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
                        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         torch.ops.tpserve_cpu.rms_norm  # the registration ran
     except Exception as exc:  # noqa: BLE001 - any build or load failure keeps the torch path

@@ -54,6 +54,9 @@ class WorkerConfig:
     # CPU only: tpserve's own kernels for norms, rotary, SiLU, KV write and decode attention
     # (workers/cpu_ops.py), where they build on this machine.
     cpu_kernels: bool = True
+    # CPU, float32, with prepacking and the kernels: batches of a few rows run the kernels'
+    # skinny_linear on a kept plain copy of each weight (workers/cpu_linear.py).
+    cpu_small_batch_linear: bool = True
 
 
 @dataclass
@@ -91,9 +94,9 @@ class WorkerCore:
         with torch.device(self.device):
             model = build_model(self.model_config, self.tp, cfg.dtype, max_positions=cfg.max_model_len)
         param_bytes = model.load_weights(cfg.model_path)
-        if cfg.cpu_prepack_linear and can_prepack(self.device, cfg.dtype):
-            prepack_linears(model)
         self.cpu_kernels = cfg.cpu_kernels and self.device.type == "cpu" and cpu_ops.load()
+        if cfg.cpu_prepack_linear and can_prepack(self.device, cfg.dtype):
+            prepack_linears(model, small_batch_rows=self._small_batch_rows())
         if self.cpu_kernels:
             model.use_cpu_kernels()
         self.model = model.eval()
@@ -109,6 +112,13 @@ class WorkerCore:
             kv_budget_bytes=budget,
             budget_note=note,
         )
+
+    def _small_batch_rows(self) -> int:
+        """Rows up to which projections take skinny_linear (0: off, or no such kernel here)."""
+        cfg = self.config
+        if not (cfg.cpu_small_batch_linear and self.cpu_kernels and cfg.dtype == torch.float32):
+            return 0
+        return int(cpu_ops.ops().skinny_linear_max_rows())
 
     def _kv_budget(self, param_bytes: int) -> tuple[int, str]:
         cfg = self.config

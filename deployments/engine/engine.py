@@ -51,6 +51,7 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
         max_cuda_graph_batch_size=config.max_cuda_graph_batch_size,
         cpu_prepack_linear=config.cpu_prepack_linear,
         cpu_kernels=config.cpu_kernels,
+        cpu_small_batch_linear=config.cpu_small_batch_linear,
     )
 
 

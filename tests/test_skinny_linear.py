@@ -1,0 +1,109 @@
+"""The small-batch projection kernel (workers/csrc/skinny_linear.cpp): F.linear's numbers for every
+row count it takes, odd shapes and strided rows included; the engine keeps the plain weights and
+routes only batches of up to `skinny_linear_max_rows()` rows to it; tokens are the same with it
+on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_helpers import greedy, make_engine, run_engine
+from model_fixtures import make_tiny_llama
+from workers import cpu_ops
+from workers.cpu_linear import can_prepack, linear, prepack_linears
+from workers.decoder import build_model
+from workers.model_config import ModelConfig
+from workers.parallel_state import SINGLE_RANK
+
+
+def _max_rows() -> int:
+    return int(cpu_ops.ops().skinny_linear_max_rows()) if cpu_ops.load() else 0
+
+
+MAX_ROWS = _max_rows()
+pytestmark = pytest.mark.skipif(MAX_ROWS == 0 or not can_prepack(torch.device("cpu"), torch.float32),
+                                reason="needs tpserve's CPU kernels built with AVX2 + FMA, and oneDNN")
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("k, n", [(576, 960), (40, 96), (37, 33), (1536, 17)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_equals_f_linear(rows, k, n, bias):
+    """Every row count up to the limit; K not a multiple of 8 (the scalar tail), N not a multiple
+    of the 16-row task block."""
+    assert MAX_ROWS >= 8
+    torch.manual_seed(rows * 1000 + k + n)
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    torch.testing.assert_close(torch.ops.tpserve_cpu.skinny_linear(x, w, b), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_skinny_linear_takes_strided_rows_and_refuses_what_it_cannot_do():
+    torch.manual_seed(0)
+    w = torch.randn(64, 48)
+    wide = torch.randn(3, 100)
+    rows = wide[:, 10:58]  # rows 100 floats apart
+    torch.testing.assert_close(torch.ops.tpserve_cpu.skinny_linear(rows, w, None), F.linear(rows, w),
+                               rtol=1e-5, atol=1e-4)
+    columns = torch.randn(48, 3).t()  # non-contiguous along K: copied first
+    torch.testing.assert_close(torch.ops.tpserve_cpu.skinny_linear(columns, w, None), F.linear(columns, w),
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="at most"):
+        torch.ops.tpserve_cpu.skinny_linear(torch.randn(MAX_ROWS + 1, 48), w, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.tpserve_cpu.skinny_linear(torch.randn(2, 48).bfloat16(), w.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        torch.ops.tpserve_cpu.skinny_linear(torch.randn(2, 47), w, None)
+
+
+def test_linear_sends_only_small_batches_to_the_plain_weight():
+    """linear() with small_batch_rows: up to that many rows read the plain weight (proved by
+    handing it a plain weight that differs from the packed one), more rows the packed GEMM."""
+    torch.manual_seed(1)
+    w, other = torch.randn(32, 24), torch.randn(32, 24)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    four, five = torch.randn(4, 24), torch.randn(5, 24)
+    torch.testing.assert_close(linear(four, other, None, packed, small_batch_rows=4), F.linear(four, other),
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(five, other, None, packed, small_batch_rows=4), F.linear(five, w),
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(four, other, None, packed, small_batch_rows=0), F.linear(four, w),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_prepack_keeps_plain_weights_for_small_batches(tmp_path):
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=False)
+    model = build_model(ModelConfig.from_pretrained(path), SINGLE_RANK, torch.float32)
+    model.load_weights(path)
+    down = model.layers[0].mlp.down_proj.weight.detach().clone()
+    assert prepack_linears(model, small_batch_rows=MAX_ROWS) == 2 * 4 + 1
+    layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    assert all(m.small_batch_rows == MAX_ROWS and m.packed_weight is not None for m in layers)
+    assert torch.equal(model.layers[0].mlp.down_proj.weight, down), "the plain copy must be kept"
+
+
+def test_engine_tokens_are_the_same_with_and_without_the_small_batch_kernel(tmp_path):
+    """Batches of 1-4 decode rows (the kernel) and prefill chunks (the packed GEMM) in one run;
+    the workers' layers say which path they were given."""
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=True)
+    prompts = {f"r{i}": (list(range(3 + i, 40 + 7 * i)), greedy(12)) for i in range(4)}
+    engines = [make_engine(path, cpu_small_batch_linear=on) for on in (False, True)]
+    rows = [{m.small_batch_rows for m in e.executor.worker.model.modules() if hasattr(m, "packed_weight")}
+            for e in engines]
+    assert rows == [{0}, {MAX_ROWS}]
+    outputs = [run_engine(e, prompts) for e in engines]
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 12 for tokens in outputs[1].values())
+
+
+def test_bfloat16_keeps_the_packed_gemm_only(tmp_path):
+    """skinny_linear is float32 only: a bf16 engine gets no second copy of its weights."""
+    if not can_prepack(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this CPU's oneDNN has no bf16 GEMM (no AVX512-BF16/AMX)")
+    path = make_tiny_llama(tmp_path / "m", num_layers=1)
+    engine = make_engine(path, dtype="bfloat16")
+    assert {m.small_batch_rows for m in engine.executor.worker.model.modules()
+            if hasattr(m, "packed_weight")} == {0}
