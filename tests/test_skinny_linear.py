@@ -51,6 +51,7 @@ def test_skinny_linear_takes_strided_rows_and_refuses_what_it_cannot_do():
     columns = torch.randn(48, 3).t()  # non-contiguous along K: copied first
     torch.testing.assert_close(torch.ops.tpserve_cpu.skinny_linear(columns, w, None), F.linear(columns, w),
                                rtol=1e-5, atol=1e-4)
+    assert torch.ops.tpserve_cpu.skinny_linear(torch.randn(0, 48), w, None).shape == (0, 64)
     with pytest.raises(RuntimeError, match="at most"):
         torch.ops.tpserve_cpu.skinny_linear(torch.randn(MAX_ROWS + 1, 48), w, None)
     with pytest.raises(RuntimeError, match="float32"):

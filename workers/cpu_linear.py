@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed_weight: torch.Tensor | None, small_batch_rows: int = 0) -> torch.Tensor:
     if packed_weight is None:
         return F.linear(x, weight, bias)
-    if x.dim() == 2 and x.size(0) <= small_batch_rows:
+    if x.dim() == 2 and 0 < x.size(0) <= small_batch_rows:
         return torch.ops.tpserve_cpu.skinny_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 

@@ -107,6 +107,7 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight, const
   }
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(TPSERVE_SKINNY_AVX2)
+  if (M == 0 || N == 0) return y;  // (rows_any has no 0-row case)
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
