@@ -21,9 +21,13 @@ the packed one; an LM head tied to the embedding shares the table it already kee
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 # oneDNN blocks the packed layout for a typical row count; any count works with it, and a hint
 # below 16 rows was measured to round bf16 results differently from F.linear.
@@ -59,11 +63,19 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0) -> int:
     packable_ids = {id(m) for m in layers}
     shared = {p.data_ptr() for m in model.modules() if id(m) not in packable_ids
               for p in m.parameters(recurse=False)}
+    second_copy_bytes = 0
     for layer in layers:
         weight = layer.weight
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         layer.small_batch_rows = small_batch_rows
-        if small_batch_rows <= 0 and weight.data_ptr() not in shared:
+        if weight.data_ptr() in shared:
+            continue
+        if small_batch_rows > 0:
+            second_copy_bytes += weight.numel() * weight.element_size()
+        else:
             # Keep the parameter (its dtype and name stay visible) but free its storage.
             weight.data = torch.empty(0, dtype=weight.dtype)
+    if second_copy_bytes:
+        logger.info("kept the plain projection weights beside the packed ones for batches of up to %d rows "
+                    "(skinny_linear): %.0f MiB more", small_batch_rows, second_copy_bytes / 2**20)
     return len(layers)
