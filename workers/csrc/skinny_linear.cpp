@@ -16,12 +16,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#ifndef TILE_ROWS
-#define TILE_ROWS 8
-#endif
-#ifndef RSMALL_T
-#define RSMALL_T 5
-#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -90,9 +84,9 @@ constexpr int64_t kMaxRows = 0;
 
 at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kMaxRows > 0, "skinny_linear: built without AVX2 + FMA (skinny_linear_max_rows() is 0)");
-  TORCH_CHECK(x_in.size(0) <= kMaxRows, "skinny_linear: at most ", kMaxRows, " rows of x");
   TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 2 && x_in.size(1) == weight.size(1),
               "skinny_linear: x [M, K] and weight [N, K]");
+  TORCH_CHECK(x_in.size(0) <= kMaxRows, "skinny_linear: at most ", kMaxRows, " rows of x");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "skinny_linear: float32 only");
   TORCH_CHECK(weight.is_contiguous(), "skinny_linear: the weight must be contiguous");
