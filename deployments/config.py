@@ -88,9 +88,10 @@ class TpserveConfig(BaseModel):
     # g++) for the norms, rotary embedding, SiLU gate, KV write and a paged decode attention that
     # reads KV blocks in place. Where they cannot build, the torch ops run instead. Off = torch ops.
     cpu_kernels: bool = True
-    # CPU, float32: decode batches of up to 8 rows run the kernels' skinny_linear on a plain copy
-    # of each projection weight kept beside the packed one (1.3-1.5x faster projections there,
-    # for one more copy of the weights in memory; workers/cpu_linear.py). Off = packed GEMM only.
+    # CPU, float32: decode batches of up to 48 rows run the kernels' skinny_linear on a plain copy
+    # of each projection weight kept beside the packed one (1.3-1.5x faster projections at 1-8
+    # rows, 1.05-1.16x at 9-48, for one more copy of the weights in memory; workers/cpu_linear.py).
+    # Off = packed GEMM only.
     cpu_small_batch_linear: bool = True
     # Run decode eagerly on GPU instead of replaying CUDA graphs.
     enforce_eager: bool = False

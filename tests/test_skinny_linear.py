@@ -1,5 +1,5 @@
-"""The small-batch projection kernel (workers/csrc/skinny_linear.cpp): F.linear's numbers for every
-row count it takes, odd shapes and strided rows included; the engine keeps the plain weights and
+"""The small-batch projection kernel (workers/csrc/skinny_linear.cpp): F.linear's numbers for the
+row counts it takes (both of its loops), odd shapes and strided rows included; the engine keeps the plain weights and
 routes only batches of up to `skinny_linear_max_rows()` rows to it; tokens are the same with it
 on and off."""
 
@@ -27,13 +27,14 @@ pytestmark = pytest.mark.skipif(MAX_ROWS == 0 or not can_prepack(torch.device("c
                                 reason="needs tpserve's CPU kernels built with AVX2 + FMA, and oneDNN")
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", [*range(1, 10), 11, 12, 16, 23, 48])
 @pytest.mark.parametrize("k, n", [(576, 960), (40, 96), (37, 33), (1536, 17)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_equals_f_linear(rows, k, n, bias):
-    """Every row count up to the limit; K not a multiple of 8 (the scalar tail), N not a multiple
-    of the 16-row task block."""
-    assert MAX_ROWS >= 8
+    """Every row count of the one-pass loop (1-8), and the register tiles above it with every
+    x-row remainder (9, 11, 23: 1 and 3 rows past a tile of 4) up to the limit; K not a multiple
+    of 8 (the scalar tail), N not a multiple of the 3-row tile or of the 48-row task block."""
+    assert MAX_ROWS >= 48
     torch.manual_seed(rows * 1000 + k + n)
     x, w = torch.randn(rows, k), torch.randn(n, k)
     b = torch.randn(n) if bias else None
@@ -44,10 +45,10 @@ def test_skinny_linear_equals_f_linear(rows, k, n, bias):
 def test_skinny_linear_takes_strided_rows_and_refuses_what_it_cannot_do():
     torch.manual_seed(0)
     w = torch.randn(64, 48)
-    wide = torch.randn(3, 100)
-    rows = wide[:, 10:58]  # rows 100 floats apart
-    torch.testing.assert_close(torch.ops.tpserve_cpu.skinny_linear(rows, w, None), F.linear(rows, w),
-                               rtol=1e-5, atol=1e-4)
+    for count in (3, 13):  # the one-pass loop and the tiles
+        rows = torch.randn(count, 100)[:, 10:58]  # rows 100 floats apart
+        torch.testing.assert_close(torch.ops.tpserve_cpu.skinny_linear(rows, w, None), F.linear(rows, w),
+                                   rtol=1e-5, atol=1e-4)
     columns = torch.randn(48, 3).t()  # non-contiguous along K: copied first
     torch.testing.assert_close(torch.ops.tpserve_cpu.skinny_linear(columns, w, None), F.linear(columns, w),
                                rtol=1e-5, atol=1e-4)

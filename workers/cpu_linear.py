@@ -11,11 +11,12 @@ order). Checked in tests/test_cpu_linear.py, with an engine's greedy tokens equa
 A layer holds `packed_weight` (None = plain `F.linear`); `linear()` dispatches on it.
 
 Few rows (a decode step at low concurrency, float32) go to tpserve's `skinny_linear` kernel
-instead (workers/csrc/skinny_linear.cpp) on the plain weight: they are bound by how fast the weights
-stream from memory, which oneDNN's GEMM does at about two thirds of the speed that kernel reaches
-(1.3-1.5x slower for 1-8 rows, measured on a 2-core AMD EPYC over the default model's
-projections). That costs a second copy of each projection weight (the plain one is kept beside
-the packed one; an LM head tied to the embedding shares the table it already keeps):
+instead (workers/csrc/skinny_linear.cpp) on the plain weight: 1-8 rows are bound by how fast the
+weights stream from memory, which oneDNN's GEMM does at about two thirds of the speed that kernel
+reaches (1.3-1.5x slower, measured on a 2-core AMD EPYC over the default model's projections), and
+9-48 rows by FMAs, where its register tiles beat oneDNN by 1.05-1.16x. That costs a second copy
+of each projection weight (the plain one is kept beside the packed one; an LM head tied to the
+embedding shares the table it already keeps):
 `small_batch_rows` on the layer says up to how many rows (0 = never, and no second copy).
 """
 

@@ -54,7 +54,7 @@ class WorkerConfig:
     # CPU only: tpserve's own kernels for norms, rotary, SiLU, KV write and decode attention
     # (workers/cpu_ops.py), where they build on this machine.
     cpu_kernels: bool = True
-    # CPU, float32, with prepacking and the kernels: batches of a few rows run the kernels'
+    # CPU, float32, with prepacking and the kernels: batches of up to 48 rows run the kernels'
     # skinny_linear on a kept plain copy of each weight (workers/cpu_linear.py).
     cpu_small_batch_linear: bool = True
 

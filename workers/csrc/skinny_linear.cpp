@@ -1,15 +1,19 @@
 // skinny_linear: y = x W^T (+ bias) for a few rows of x, float32, on the plain [N, K] weight.
 //
-// Why: a decode step at low concurrency multiplies 1-8 rows by every weight of the model, so it
-// is bound by how fast the weights stream from memory, not by FMAs. oneDNN's prepacked GEMM
-// (workers/cpu_linear.py), right for prefill and large decode batches, streamed the default
-// model's projections and LM head (538 MB, cache-cold) at 11-13 GB/s for 1-8 rows on a 2-core
-// AMD EPYC (Zen 1); this loop streams them at 12-18 GB/s (two threads; a plain sum of the same
-// bytes reads at ~20 GB/s there): 1.33-1.48x faster at every row count from 1 to 8, about even
-// at 12 and 16 (where it would take two passes), so it stops at 8 (skinny_linear_max_rows).
+// Why: a decode step at low concurrency multiplies a few rows by every weight of the model. At
+// 1-8 rows it is bound by how fast the weights stream from memory: oneDNN's prepacked GEMM
+// (workers/cpu_linear.py), right for prefill and large batches, streamed the default model's
+// projections and LM head (538 MB, cache-cold) at 11-13 GB/s there on a 2-core AMD EPYC (Zen 1);
+// the one-pass loop below streams them at 12-19 GB/s (two threads; a plain sum of the same bytes
+// reads at ~20 GB/s): 1.3-1.5x faster at every row count from 1 to 8. From 9 rows on the FMAs
+// bound it, and oneDNN's GEMM ran 9-48 rows at 33-51 GFLOP/s against Zen 1's ~64 peak; the
+// register tiles below run them 1.05-1.16x faster (30 layers' projections; about even at 64
+// rows, where oneDNN reaches 60 GFLOP/s), so skinny_linear stops at 48 (skinny_linear_max_rows).
 //
-// Loop shape: each task owns a block of weight rows and streams them one after another; each
-// weight vector, loaded once, feeds every x row (the x rows, at most 8 x K floats, stay in L1).
+// Loop shapes: each task owns a block of weight rows. 1-8 rows: the block streams one weight row
+// after another, each weight vector, loaded once, feeding every x row (held in L1). 9-48 rows:
+// 3 weight rows x 4 x rows register tiles, the 3 weight rows staying in L1 while all the x rows
+// pass them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,12 +29,14 @@
 namespace {
 
 #if defined(TPSERVE_SKINNY_AVX2)
-// Rows up to which skinny_linear beats the packed GEMM (measured; see skinny_linear_max_rows):
-// all of them in one pass over the weights (eight accumulators, one weight and one x vector: 10
-// of the 16 ymm registers).
-constexpr int64_t kMaxRows = 8;
-// Weight rows per parallel task.
-constexpr int64_t kBlockRows = 16;
+// Rows up to which skinny_linear beats the packed GEMM (measured; see the header).
+constexpr int64_t kMaxRows = 48;
+// Up to this many rows, one pass over the weights with every x row at once; above it, register
+// tiles of kTileW weight rows x kTileX x rows.
+constexpr int64_t kOnePassRows = 8;
+constexpr int kTileW = 3, kTileX = 4;
+// Weight rows per parallel task (a multiple of kTileW).
+constexpr int64_t kBlockRows = 48;
 // How far ahead (in floats) each weight row is prefetched: 2 KB, measured best of 1, 2 and 4 KB.
 constexpr int64_t kPrefetch = 512;
 
@@ -40,43 +46,85 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Weight rows [n0, n1) (each K floats) times the T rows of x (x_stride apart) into y[t][n]
-// (y_stride apart), plus bias[n] when there is a bias. K's tail past a multiple of 8 is summed in
-// scalar. One weight row at a time: measured as fast as two or four interleaved rows at 1-2 x
-// rows and faster from 3 on (fewer registers, one sequential stream per thread).
-template <int T>
-void rows(const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias, float* y,
-          int64_t y_stride, int64_t n0, int64_t n1) {
+// R weight rows (from w, K apart) times T x rows (from x, x_stride apart) into y[t][r] (y_stride
+// apart), plus bias[r] when there is a bias: R x T accumulators of eight lanes, each weight vector
+// loaded once for the T rows and each x vector once for the R rows. K's tail past a multiple of 8
+// is summed in scalar.
+template <int R, int T, bool Prefetch>
+void tile(const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias, float* y,
+          int64_t y_stride) {
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   const int64_t k8 = K & ~int64_t(7);
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* wn = w + n * K;
-    __m256 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < k8; k += 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(wn + k + kPrefetch), _MM_HINT_T0);
-      const __m256 wv = _mm256_loadu_ps(wn + k);
-      for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * x_stride + k), acc[t]);
+  for (int64_t k = 0; k < k8; k += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) {
+      if (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + kPrefetch), _MM_HINT_T0);
+      wv[r] = _mm256_loadu_ps(w + r * K + k);
     }
     for (int t = 0; t < T; ++t) {
-      float s = hsum(acc[t]);
-      for (int64_t k = k8; k < K; ++k) s += wn[k] * x[t * x_stride + k];
-      y[t * y_stride + n] = bias ? s + bias[n] : s;
+      const __m256 xv = _mm256_loadu_ps(x + t * x_stride + k);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < T; ++t) {
+      float s = hsum(acc[r][t]);
+      for (int64_t k = k8; k < K; ++k) s += w[r * K + k] * x[t * x_stride + k];
+      y[t * y_stride + r] = bias ? s + bias[r] : s;
     }
   }
 }
 
-void rows_any(int64_t M, const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias, float* y,
+// Every x row against one weight row at a time (1-8 rows): one sequential weight stream per
+// thread, measured faster than interleaving 2-4 weight rows at these counts.
+template <int T>
+void one_pass(const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias, float* y,
               int64_t y_stride, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) tile<1, T, true>(x, x_stride, w + n * K, K, bias ? bias + n : nullptr, y + n, y_stride);
+}
+
+void one_pass_any(int64_t M, const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias,
+                  float* y, int64_t y_stride, int64_t n0, int64_t n1) {
   switch (M) {
-    case 1: rows<1>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 2: rows<2>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 3: rows<3>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 4: rows<4>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 5: rows<5>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 6: rows<6>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 7: rows<7>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    default: rows<8>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
+    case 1: one_pass<1>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
+    case 2: one_pass<2>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
+    case 3: one_pass<3>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
+    case 4: one_pass<4>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
+    case 5: one_pass<5>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
+    case 6: one_pass<6>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
+    case 7: one_pass<7>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
+    default: one_pass<8>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
   }
+}
+
+// R weight rows against all M x rows, kTileX at a time (the R rows stay in L1 between tiles).
+template <int R>
+void tiles_down_x(int64_t M, const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias,
+                  float* y, int64_t y_stride) {
+  int64_t m = 0;
+  for (; m + kTileX <= M; m += kTileX)
+    tile<R, kTileX, false>(x + m * x_stride, x_stride, w, K, bias, y + m * y_stride, y_stride);
+  const float* xm = x + m * x_stride;
+  float* ym = y + m * y_stride;
+  switch (M - m) {
+    case 3: tile<R, 3, false>(xm, x_stride, w, K, bias, ym, y_stride); break;
+    case 2: tile<R, 2, false>(xm, x_stride, w, K, bias, ym, y_stride); break;
+    case 1: tile<R, 1, false>(xm, x_stride, w, K, bias, ym, y_stride); break;
+    default: break;
+  }
+}
+
+// 9-48 rows: kTileW x kTileX register tiles (12 accumulators, three weight vectors and one x
+// vector: all 16 ymm registers; 7 loads per 12 FMAs, so Zen 1's one 256-bit FMA per cycle, not
+// its loads, bounds it).
+void tiled(int64_t M, const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias, float* y,
+           int64_t y_stride, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kTileW <= n1; n += kTileW)
+    tiles_down_x<kTileW>(M, x, x_stride, w + n * K, K, bias ? bias + n : nullptr, y + n, y_stride);
+  for (; n < n1; ++n) tiles_down_x<1>(M, x, x_stride, w + n * K, K, bias ? bias + n : nullptr, y + n, y_stride);
 }
 #else
 constexpr int64_t kMaxRows = 0;
@@ -101,14 +149,19 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& weight, const
   }
   at::Tensor y = at::empty({M, N}, x.options());
 #if defined(TPSERVE_SKINNY_AVX2)
-  if (M == 0 || N == 0) return y;  // (rows_any has no 0-row case)
+  if (M == 0 || N == 0) return y;  // (one_pass_any has no 0-row case)
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0);
   const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    rows_any(M, xp, x_stride, wp, K, bias_ptr, yp, N, begin * kBlockRows, std::min(N, end * kBlockRows));
+    const int64_t n0 = begin * kBlockRows, n1 = std::min(N, end * kBlockRows);
+    if (M <= kOnePassRows) {
+      one_pass_any(M, xp, x_stride, wp, K, bias_ptr, yp, N, n0, n1);
+    } else {
+      tiled(M, xp, x_stride, wp, K, bias_ptr, yp, N, n0, n1);
+    }
   });
 #endif
   return y;
