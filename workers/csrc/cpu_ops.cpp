@@ -400,20 +400,33 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_ca
   }
 }
 
+// Element offset, within a cache, of head h's row for every context token in [start, len), walked
+// block by block: a division per token (t / block_size) costs more than the token's FMAs (a 64-bit
+// idiv takes 14-46 cycles on Zen 1, and the kernels below needed one or more per token per pass).
+template <typename Index>
+void context_rows(std::vector<int64_t>& rows, const Index* table, int64_t start, int64_t len, int64_t block_size,
+                  int64_t row_stride, int64_t head_offset) {
+  const int64_t n = len - start;
+  rows.resize(n);
+  int64_t i = 0, off = start % block_size;
+  for (int64_t blk = start / block_size; i < n; ++blk, off = 0) {
+    const int64_t base = static_cast<int64_t>(table[blk]) * block_size;
+    for (; off < block_size && i < n; ++off, ++i) rows[i] = (base + off) * row_stride + head_offset;
+  }
+}
+
 // One (request, KV head): its G query heads against context [start, len) read through the block
-// table. Scores are kept for the whole context (two passes: exact softmax, then the weighted V sum).
-template <typename T, typename Index>
-void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const Index* table, int64_t len,
-                int64_t start, int64_t block_size, int64_t kv_heads, int64_t h, int64_t group, int64_t d,
-                float scale, float soft_cap, std::vector<float>& scores, std::vector<float>& qf,
-                std::vector<float>& acc, std::vector<float>& row) {
+// table (rows: context_rows). Scores are kept for the whole context (two passes: exact softmax,
+// then the weighted V sum).
+template <typename T>
+void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+                int64_t start, int64_t group, int64_t d, float scale, float soft_cap, std::vector<float>& scores,
+                std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& row) {
   const int64_t n = len - start;
   scores.resize(group * n);
   for (int64_t g = 0; g < group; ++g) load_row(q + g * d, qf.data() + g * d, d);
-  const int64_t row_stride = kv_heads * d;
   for (int64_t t = start; t < len; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    load_row(k_cache + slot * row_stride + h * d, row.data(), d);
+    load_row(k_cache + rows[t - start], row.data(), d);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf.data() + g * d;
       float dot = 0.f;
@@ -438,8 +451,7 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const In
     sums[g] = sum;
   }
   for (int64_t t = start; t < len; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    load_row(v_cache + slot * row_stride + h * d, row.data(), d);
+    load_row(v_cache + rows[t - start], row.data(), d);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * n + (t - start)];
       float* ag = acc.data() + g * d;
@@ -486,19 +498,15 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 
 // bf16 query . key scores with AVX512-BF16 dot products (pairs of bf16 products summed in fp32,
 // as exact as converting both to fp32 first), four tokens per reduction. NP = head_dim / 32.
-template <typename Index, int NP>
+template <int NP>
 void qk_scores_bf16(float* scores, int64_t padded, const c10::BFloat16* q, const c10::BFloat16* k_cache,
-                    const Index* table, int64_t start, int64_t len, int64_t block_size, int64_t row_stride,
-                    int64_t h, int64_t group, float scale) {
+                    const int64_t* rows, int64_t start, int64_t len, int64_t group, float scale) {
   constexpr int64_t d = 32 * NP;
   __m512bh qv[kMaxGroup][NP];
   for (int64_t g = 0; g < group; ++g)
     for (int j = 0; j < NP; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(q + g * d + 32 * j);
   const __m128 sc = _mm_set1_ps(scale);
-  auto key_row = [&](int64_t t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    return k_cache + slot * row_stride + h * d;
-  };
+  auto key_row = [&](int64_t t) { return k_cache + rows[t - start]; };
   int64_t t = start;
   for (; t + 4 <= len; t += 4) {
     // Rows of the blocks ahead are scattered: ask for them before they are needed.
@@ -530,19 +538,16 @@ void qk_scores_bf16(float* scores, int64_t padded, const c10::BFloat16* q, const
 
 // decode_one for head_dim = 16 * NV: each K row is read once for all G query heads (G dot
 // products on registers), each V row once into G accumulators held in registers.
-template <typename T, typename Index, int NV>
-void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, const Index* table, int64_t len,
-                       int64_t start, int64_t block_size, int64_t kv_heads, int64_t h, int64_t group, float scale,
-                       float soft_cap, std::vector<float>& scores) {
+template <typename T, int NV>
+void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+                       int64_t start, int64_t group, float scale, float soft_cap, std::vector<float>& scores) {
   constexpr int64_t d = 16 * NV;
   const int64_t n = len - start;
   const int64_t padded = (n + 15) / 16 * 16;
   scores.resize(group * padded);
-  const int64_t row_stride = kv_heads * d;
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__)
   if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
-    qk_scores_bf16<Index, NV / 2>(scores.data(), padded, q, k_cache, table, start, len, block_size, row_stride, h,
-                                  group, scale);
+    qk_scores_bf16<NV / 2>(scores.data(), padded, q, k_cache, rows, start, len, group, scale);
   } else
 #endif
   {
@@ -550,8 +555,7 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
     for (int64_t g = 0; g < group; ++g)
       for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_mul_ps(load16(q + g * d + 16 * j), _mm512_set1_ps(scale));
     for (int64_t t = start; t < len; ++t) {
-      const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-      const T* kr = k_cache + slot * row_stride + h * d;
+      const T* kr = k_cache + rows[t - start];
       __m512 kv[NV];
       for (int j = 0; j < NV; ++j) kv[j] = load16(kr + 16 * j);
       for (int64_t g = 0; g < group; ++g) {
@@ -582,13 +586,8 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
   for (int64_t g = 0; g < group; ++g)
     for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
   for (int64_t t = start; t < len; ++t) {
-    if (t + kPrefetchAhead < len) {
-      const int64_t ahead = t + kPrefetchAhead;
-      prefetch_row(v_cache + (static_cast<int64_t>(table[ahead / block_size]) * block_size + ahead % block_size) *
-                                 row_stride + h * d, d);
-    }
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* vr = v_cache + slot * row_stride + h * d;
+    if (t + kPrefetchAhead < len) prefetch_row(v_cache + rows[t + kPrefetchAhead - start], d);
+    const T* vr = v_cache + rows[t - start];
     __m512 vv[NV];
     for (int j = 0; j < NV; ++j) vv[j] = load16(vr + 16 * j);
     for (int64_t g = 0; g < group; ++g) {
@@ -610,19 +609,15 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
 // tokens per reduction. Weighted V sum: the head is walked in slices of two vectors (one 64-byte
 // line of a float32 row), all tokens per slice with G x 2 accumulators; the context's V rows
 // (tens of KB) stay in L2 between slices, and the first slice prefetches whole rows ahead.
-template <typename T, typename Index, int NV, int G>
-void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, const Index* table, int64_t len,
-                     int64_t start, int64_t block_size, int64_t kv_heads, int64_t h, float scale, float soft_cap,
-                     std::vector<float>& scores) {
+template <typename T, int NV, int G>
+void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+                     int64_t start, float scale, float soft_cap, std::vector<float>& scores) {
   static_assert(NV % 2 == 0, "head_dim must be a multiple of 16");
   constexpr int64_t d = 8 * NV;
   const int64_t n = len - start;
   const int64_t padded = (n + 7) / 8 * 8;
   scores.resize(G * padded);
-  const int64_t row_stride = kv_heads * d;
-  auto row_at = [&](const T* cache, int64_t t) {
-    return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row_stride + h * d;
-  };
+  auto row_at = [&](const T* cache, int64_t t) { return cache + rows[t - start]; };
   __m256 qv[G][NV];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NV; ++j) qv[g][j] = _mm256_mul_ps(load8(q + g * d + 8 * j), _mm256_set1_ps(scale));
@@ -686,14 +681,13 @@ void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, con
 }
 
 // The G (query heads per KV head) and head_dim decode_one_avx2 is built for; false: not one.
-template <typename T, typename Index>
-bool decode_one_avx2_dispatch(T* out, const T* q, const T* k_cache, const T* v_cache, const Index* table,
-                              int64_t len, int64_t start, int64_t block_size, int64_t kv_heads, int64_t h,
-                              int64_t group, int64_t d, float scale, float soft_cap, std::vector<float>& scores) {
-#define TPSERVE_DECODE_AVX2(NV, G)                                                                          \
-  case G:                                                                                                 \
-    decode_one_avx2<T, Index, NV, G>(out, q, k_cache, v_cache, table, len, start, block_size, kv_heads, h, \
-                                     scale, soft_cap, scores);                                            \
+template <typename T>
+bool decode_one_avx2_dispatch(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows,
+                              int64_t len, int64_t start, int64_t group, int64_t d, float scale, float soft_cap,
+                              std::vector<float>& scores) {
+#define TPSERVE_DECODE_AVX2(NV, G)                                                                       \
+  case G:                                                                                              \
+    decode_one_avx2<T, NV, G>(out, q, k_cache, v_cache, rows, len, start, scale, soft_cap, scores);   \
     return true;
 #define TPSERVE_DECODE_AVX2_GROUPS(NV) \
   switch (group) {                     \
@@ -749,32 +743,30 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       const index_t* tables = block_tables.data_ptr<index_t>();
       at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores, qf(group * d), acc(group * d), row(d);
+        std::vector<int64_t> rows;
         for (int64_t item = begin; item < end; ++item) {
           const int64_t b = item / kv_heads, h = item % kv_heads;
           const int64_t len = lens[b];
           const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
           scalar_t* o = op + (b * heads + h * group) * d;
           const scalar_t* qb = qp + b * q.stride(0) + h * group * d;
-          const index_t* table = tables + b * width;
+          context_rows(rows, tables + b * width, start, len, block_size, kv_heads * d, h * d);
+          const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
 #if defined(__AVX512F__)
           if (group <= kMaxGroup && (d == 64 || d == 128 || d == 256)) {
-            const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
             if (d == 64)
-              decode_one_avx512<scalar_t, index_t, 4>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h, group, sc, cap, scores);
+              decode_one_avx512<scalar_t, 4>(o, qb, kc, vc, rows.data(), len, start, group, sc, cap, scores);
             else if (d == 128)
-              decode_one_avx512<scalar_t, index_t, 8>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h, group, sc, cap, scores);
+              decode_one_avx512<scalar_t, 8>(o, qb, kc, vc, rows.data(), len, start, group, sc, cap, scores);
             else
-              decode_one_avx512<scalar_t, index_t, 16>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h, group, sc, cap, scores);
+              decode_one_avx512<scalar_t, 16>(o, qb, kc, vc, rows.data(), len, start, group, sc, cap, scores);
             continue;
           }
 #elif defined(TPSERVE_AVX2)
-          if (decode_one_avx2_dispatch<scalar_t, index_t>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h,
-                                                          group, d, static_cast<float>(scale),
-                                                          static_cast<float>(soft_cap), scores))
+          if (decode_one_avx2_dispatch<scalar_t>(o, qb, kc, vc, rows.data(), len, start, group, d, sc, cap, scores))
             continue;
 #endif
-          decode_one<scalar_t, index_t>(o, qb, kc, vc, table, len, start, block_size, kv_heads, h, group, d,
-                                        static_cast<float>(scale), static_cast<float>(soft_cap), scores, qf, acc, row);
+          decode_one<scalar_t>(o, qb, kc, vc, rows.data(), len, start, group, d, sc, cap, scores, qf, acc, row);
         }
       });
     });
