@@ -1,7 +1,7 @@
 """The small-batch projection kernel (workers/csrc/skinny_linear.cpp): F.linear's numbers for the
-row counts it takes (both of its loops), odd shapes and strided rows included; the engine keeps the plain weights and
-routes only batches of up to `skinny_linear_max_rows()` rows to it; tokens are the same with it
-on and off."""
+row counts it takes (both of its loops), odd shapes and strided rows included; the engine keeps
+the plain weights and routes only batches of up to `skinny_linear_max_rows()` rows to it; tokens
+are the same with it on and off."""
 
 from __future__ import annotations
 

@@ -82,7 +82,8 @@ void tile(const float* x, int64_t x_stride, const float* w, int64_t K, const flo
 template <int T>
 void one_pass(const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias, float* y,
               int64_t y_stride, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) tile<1, T, true>(x, x_stride, w + n * K, K, bias ? bias + n : nullptr, y + n, y_stride);
+  for (int64_t n = n0; n < n1; ++n)
+    tile<1, T, true>(x, x_stride, w + n * K, K, bias ? bias + n : nullptr, y + n, y_stride);
 }
 
 void one_pass_any(int64_t M, const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias,
