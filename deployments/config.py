@@ -93,6 +93,10 @@ class TpserveConfig(BaseModel):
     # rows, 1.05-1.16x at 9-48, for one more copy of the weights in memory; workers/cpu_linear.py).
     # Off = packed GEMM only.
     cpu_small_batch_linear: bool = True
+    # CPU, float32: prefill chunks through the kernels' flash attention, which reads the paged
+    # KV cache in place (1.5-3x torch's SDPA at 200-1000-token prompts on a 2-core AMD EPYC;
+    # workers/csrc/prefill_attention.cpp). Off = torch's SDPA per chunk.
+    cpu_prefill_attention: bool = True
     # Run decode eagerly on GPU instead of replaying CUDA graphs.
     enforce_eager: bool = False
     # "auto": sampling defaults from the model's generation_config.json (temperature, top_p,

@@ -6,7 +6,8 @@ through its block table:
   * decodes: one batched SDPA call over contexts gathered from the block tables, padded to the
     longest context and masked;
   * prefill chunks: one SDPA call each, causal with an offset for the context already cached
-    (a chunk that starts at position 0 uses its own K/V directly, no gather).
+    (a chunk that starts at position 0 uses its own K/V directly, no gather); with the CPU
+    kernels in float32, one flash-attention call for all chunks that reads the blocks in place.
 A layer may add a sliding window (keys more than window - 1 positions behind the query are
 masked) and a logit soft cap (Gemma 2: eager attention, since SDPA has no hook before the softmax).
 GQA is handled without copying K/V per query head: the query heads that share a KV head are
@@ -63,6 +64,12 @@ class AttentionMetadata:
     # [num_decodes] int32 context lengths: set, decodes go through the CPU paged-attention kernel,
     # which reads each context's blocks in place (workers/cpu_ops.py).
     decode_context_lens: torch.Tensor | None = None
+    # [num_prefills, 3] int32 rows (query start, query length, context length) of the chunks
+    # above: set, all chunks go through the CPU prefill kernel in one call, which reads their
+    # contexts from the blocks in place (workers/csrc/prefill_attention.cpp).
+    prefill_chunk_info: torch.Tensor | None = None
+    # [num_prefills, max_blocks] int32 block tables of those chunks, padded with the null block.
+    prefill_block_tables: torch.Tensor | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -176,6 +183,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         od = attend(qd, kd, vd, _decode_mask(meta, sliding_window), scale, soft_cap)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
 
+    if meta.prefills and meta.prefill_chunk_info is not None:
+        cpu_ops.ops().paged_prefill_attention(out, q, k_cache, v_cache, meta.prefill_block_tables,
+                                              meta.prefill_chunk_info, scale, sliding_window or 0, soft_cap or 0.0)
+        return out.view(num_tokens, num_heads * head_dim)
     for chunk in meta.prefills:
         s, n = chunk.query_start, chunk.query_len
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

@@ -27,7 +27,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "skinny_linear.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = [_CSRC / name for name in ("cpu_ops.cpp", "prefill_attention.cpp", "skinny_linear.cpp")]
+# Headers the sources include: torch's builder does not hash them, so extension_name does.
+HEADERS = [_CSRC / "vec.h"]
 # Extension (and library) name prefix; the ops register under torch.ops.tpserve_cpu.
 EXTENSION_NAME = "tpserve_cpu_ops"
 # -fno-math-errno lets the exp/tanh loops vectorize; OpenMP makes at::parallel_for parallel (the
@@ -73,9 +76,12 @@ def _build_and_load() -> bool:
 def extension_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
     """The name keyed by this CPU's instruction-set flags: a library built with -march=native
     must never be loaded on another CPU model (a cache in a home folder shared by the nodes of
-    a cluster), where it could die of an illegal instruction."""
-    flags = " ".join(sorted(cpu_flags(cpuinfo_path)))
-    return f"{EXTENSION_NAME}_{hashlib.sha1(flags.encode()).hexdigest()[:10]}"
+    a cluster), where it could die of an illegal instruction. Also keyed by the headers' content,
+    which torch's own check of the sources does not see."""
+    key = hashlib.sha1(" ".join(sorted(cpu_flags(cpuinfo_path))).encode())
+    for header in HEADERS:
+        key.update(header.read_bytes())
+    return f"{EXTENSION_NAME}_{key.hexdigest()[:10]}"
 
 
 def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> set[str]:

@@ -41,7 +41,8 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, stop_ids: tuple[int, ...],
-                 graph_runner: CudaGraphRunner | None = None, cpu_kernels: bool = False) -> None:
+                 graph_runner: CudaGraphRunner | None = None, cpu_kernels: bool = False,
+                 cpu_prefill_attention: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -54,6 +55,9 @@ class ModelRunner:
         self.graph_runner = graph_runner
         # The model runs tpserve's CPU kernels: decodes get context lengths, not a mask.
         self.cpu_kernels = cpu_kernels
+        # Prefill chunks go through the CPU kernels' paged prefill attention (one call per layer
+        # for all chunks, the KV cache read in place) instead of a gather + SDPA per chunk.
+        self.cpu_prefill_attention = cpu_prefill_attention
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -123,6 +127,12 @@ class ModelRunner:
                 mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
             table = torch.tensor(state.block_ids[: -(-context_len // bs)], dtype=torch.long, device=self.device)
             chunks.append(PrefillChunk(query_start, num, context_len, table, mask))
+        prefill_info = prefill_tables = None
+        if chunks and self.cpu_prefill_attention:
+            prefill_info = torch.tensor([[c.query_start, c.query_len, c.context_len] for c in chunks],
+                                        dtype=torch.int32)
+            rows = [state.block_ids[: -(-c.context_len // bs)] for (state, _), c in zip(prefills, chunks)]
+            prefill_tables = torch.tensor(padded_block_tables(rows, max(len(r) for r in rows)), dtype=torch.int32)
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -131,6 +141,8 @@ class ModelRunner:
             decode_mask=decode_context_mask,
             prefills=chunks,
             decode_context_lens=decode_context_lens,
+            prefill_chunk_info=prefill_info,
+            prefill_block_tables=prefill_tables,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -57,6 +57,9 @@ class WorkerConfig:
     # CPU, float32, with prepacking and the kernels: batches of up to 48 rows run the kernels'
     # skinny_linear on a kept plain copy of each weight (workers/cpu_linear.py).
     cpu_small_batch_linear: bool = True
+    # CPU, float32, with the kernels: prefill chunks through the kernels' flash attention over
+    # the paged cache (workers/csrc/prefill_attention.cpp) instead of torch's SDPA.
+    cpu_prefill_attention: bool = True
 
 
 @dataclass
@@ -120,6 +123,13 @@ class WorkerCore:
             return 0
         return int(cpu_ops.ops().skinny_linear_max_rows())
 
+    def _cpu_prefill_attention(self) -> bool:
+        """Whether prefill chunks take the kernels' flash attention: float32 only, where it was
+        measured (1.5-3x torch's SDPA on a 2-core AMD EPYC); bf16 keeps SDPA, whose bf16 path
+        (AMX tiles on a Xeon) this kernel, computing in float32, was not measured against."""
+        cfg = self.config
+        return cfg.cpu_prefill_attention and self.cpu_kernels and cfg.dtype == torch.float32
+
     def _kv_budget(self, param_bytes: int) -> tuple[int, str]:
         cfg = self.config
         if self.device.type != "cuda":
@@ -138,7 +148,8 @@ class WorkerCore:
         stop_ids = tuple(self.model_config.eos_token_ids)
         graph_runner = self._make_graph_runner(kv_caches) if self.device.type == "cuda" else None
         self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, self.device, stop_ids,
-                                  graph_runner=graph_runner, cpu_kernels=self.cpu_kernels)
+                                  graph_runner=graph_runner, cpu_kernels=self.cpu_kernels,
+                                  cpu_prefill_attention=self._cpu_prefill_attention())
 
     def _make_graph_runner(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CudaGraphRunner:
         """GPU decode runner; its graphs are captured now (the KV cache exists) unless enforce_eager.

@@ -1,0 +1,150 @@
+"""The CPU prefill attention kernel (workers/csrc/prefill_attention.cpp) against the torch path it
+replaces (SDPA per chunk: causal from its own K/V at position 0, gathered blocks and a mask after
+cached context): one call for several chunks, chunks at position 0 and after cached tokens, query
+lengths across the kernel's 16-token query tiles and 64-key tiles, GQA, sliding windows and soft
+caps, float32 and bf16, through the vectorized tiles (head_dim a multiple of 32) and the portable
+loops (head_dim 48); its refusals of chunks and tables that would read outside the step or the
+cache; and engines whose greedy tokens do not change with it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_helpers import greedy, make_engine, run_engine
+from model_fixtures import make_tiny_llama
+from workers import cpu_ops
+from workers.attention import AttentionMetadata, PrefillChunk, paged_attention
+from workers.decode_inputs import padded_block_tables
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
+                                                          "(no g++ or ninja; the log says why)")
+BLOCK_SIZE = 16
+
+
+def _step(dtype, heads, kv_heads, head_dim, chunks, seed=0):
+    """One step's prefill chunks [(query_len, context_len)]: caches holding every chunk's cached
+    context in scattered blocks, this step's q (a strided view, as the layer has it), k and v,
+    and the attention metadata for both paths."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [-(-context // BLOCK_SIZE) for _, context in chunks]
+    num_blocks = sum(widths) + 3
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen).to(dtype)
+    ids = list(range(1, num_blocks))
+    random.Random(seed).shuffle(ids)
+    tokens = sum(n for n, _ in chunks)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    prefills, tables, slots, start, used = [], [], [], 0, 0
+    for (n, context), width in zip(chunks, widths):
+        table = ids[used : used + width]
+        used += width
+        cached = context - n
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, context)]
+        mask = None
+        if cached:
+            mask = torch.arange(context)[None, :] <= torch.arange(cached, context)[:, None]
+        prefills.append(PrefillChunk(start, n, context, torch.tensor(table), mask))
+        tables.append(table)
+        start += n
+    info = torch.tensor([[c.query_start, c.query_len, c.context_len] for c in prefills], dtype=torch.int32)
+    block_tables = torch.tensor(padded_block_tables(tables, max(widths)), dtype=torch.int32)
+
+    def meta(kernel: bool) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=0, decode_block_tables=None,
+                                 decode_mask=None, prefills=prefills,
+                                 prefill_chunk_info=info if kernel else None,
+                                 prefill_block_tables=block_tables if kernel else None)
+
+    return q, k, v, k_cache, v_cache, meta
+
+
+def _both_paths(dtype, heads, kv_heads, head_dim, chunks, window=None, soft_cap=None):
+    q, k, v, k_cache, v_cache, meta = _step(dtype, heads, kv_heads, head_dim, chunks)
+    scale = head_dim ** -0.5
+    outs = []
+    for kernel in (False, True):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs.append(paged_attention(q, k, v, kc, vc, meta(kernel), scale, window, soft_cap, cpu_kernels=kernel))
+    return outs
+
+
+def _assert_close(actual, expected):
+    # float32: a few ulp (the online softmax sums in another order); bf16: both paths compute in
+    # float32 and round once, so they differ by at most about one bf16 ulp.
+    tol = 2e-2 if actual.dtype == torch.bfloat16 else 2e-5
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+# Chunk mixes: lengths at and around the 16-token query tiles and 64-key tiles; chunks after
+# cached context (a later chunk of a long prompt, a prefix-cache hit); several in one call.
+CHUNKS = [
+    [(1, 1)],
+    [(15, 15), (16, 16), (17, 17)],
+    [(200, 200)],
+    [(5, 300), (64, 64), (65, 130)],
+    [(100, 517), (1, 33)],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (32, 16, 2), (64, 8, 1), (48, 6, 2)])
+@pytest.mark.parametrize("chunks", CHUNKS, ids=[f"chunks{i}" for i in range(len(CHUNKS))])
+def test_prefill_kernel_matches_the_sdpa_path(dtype, head_dim, heads, kv_heads, chunks):
+    reference, kernel = _both_paths(dtype, heads, kv_heads, head_dim, chunks)
+    _assert_close(kernel, reference)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(20, None), (64, None), (None, 30.0), (37, 30.0)])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_prefill_kernel_matches_the_sdpa_path_with_windows_and_soft_caps(window, soft_cap, head_dim):
+    reference, kernel = _both_paths(torch.float32, 6, 2, head_dim, [(150, 150), (40, 250), (3, 90)], window, soft_cap)
+    _assert_close(kernel, reference)
+
+
+def test_prefill_kernel_takes_int64_tables():
+    q, k, v, k_cache, v_cache, meta = _step(torch.float32, 9, 3, 64, [(30, 70)])
+    m32, m64 = meta(True), meta(True)
+    m64.prefill_block_tables = m64.prefill_block_tables.long()
+    outs = [paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), m, 0.125, cpu_kernels=True) for m in (m32, m64)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_prefill_kernel_refuses_chunks_and_tables_that_would_read_outside():
+    q, k, v, k_cache, v_cache, meta = _step(torch.float32, 9, 3, 64, [(30, 70)])
+    m = meta(True)
+    out = torch.empty_like(q)
+
+    def call(info, tables):
+        cpu_ops.ops().paged_prefill_attention(out, q, k_cache, v_cache, tables, info, 0.125, 0, 0.0)
+
+    bad_tokens = torch.tensor([[10, 30, 70]], dtype=torch.int32)  # rows 10-39 of a 30-token step
+    bad_length = torch.tensor([[0, 30, 300]], dtype=torch.int32)  # context beyond its table
+    more_queries = torch.tensor([[0, 30, 20]], dtype=torch.int32)  # more queries than context
+    for info in (bad_tokens, bad_length, more_queries):
+        with pytest.raises(RuntimeError, match="outside the step's tokens or longer than its block table"):
+            call(info, m.prefill_block_tables)
+    bad_table = m.prefill_block_tables.clone()
+    bad_table[0, 1] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        call(m.prefill_chunk_info, bad_table)
+
+
+def test_engine_greedy_tokens_are_the_same_with_and_without_the_prefill_kernel(tmp_path):
+    """float32, prompts in several chunks (budget 48) and prefix-cache hits (a shared first 64
+    tokens): the kernel's engine generates what the SDPA path's does; bf16 keeps SDPA."""
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, head_dim=64)
+    shared = list(range(5, 69))
+    prompts = {f"r{i}": (shared + list(range(100 + i, 130 + 17 * i)), greedy(12)) for i in range(4)}
+    engines = [make_engine(path, cpu_prefill_attention=on, max_num_batched_tokens=48, enable_prefix_caching=True)
+               for on in (False, True)]
+    assert [e.executor.worker.runner.cpu_prefill_attention for e in engines] == [False, True]
+    outputs = [run_engine(engine, prompts) for engine in engines]
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 12 for tokens in outputs[1].values())
+    assert make_engine(path, dtype="bfloat16").executor.worker.runner.cpu_prefill_attention is False
