@@ -147,4 +147,11 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_prefill_kernel(t
     outputs = [run_engine(engine, prompts) for engine in engines]
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 12 for tokens in outputs[1].values())
+    # The shared prefix is in the cache: a new prompt that starts with it reads its 64 tokens from
+    # there (the path the requests after the first took above) and computes only its own tail.
+    engine = engines[1]
+    engine.add_request("again", shared + list(range(300, 340)), greedy(1))
+    while engine.has_unfinished_requests():
+        hits = [out.num_cached_tokens for out in engine.step() if out.finished]
+    assert hits == [64]
     assert make_engine(path, dtype="bfloat16").executor.worker.runner.cpu_prefill_attention is False
