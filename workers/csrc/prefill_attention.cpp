@@ -265,22 +265,21 @@ void attend_tile(T* out, const T* q, int64_t q_stride, const Chunk& c, int64_t h
     }
 }
 
-// Packs keys [key_lo, key_lo + packed_keys) of one (chunk, KV head) panel by panel: K transposed
-// into [D][kPanel], V as float rows; keys past the context are zeros (always masked).
-template <typename T, typename Index>
-void pack_panel(float* k_dst, float* v_dst, const T* k_cache, const T* v_cache, const Index* table, int64_t first,
-                int64_t context_len, int64_t block_size, int64_t kv_heads, int64_t h, int64_t d) {
+// Packs one panel of one (chunk, KV head): keys [first, first + kPanel), K transposed into
+// [D][kPanel], V as float rows; keys past the context are zeros (always masked). rows: the
+// panel's element offsets in the caches (context_rows), for the keys inside the context.
+template <typename T>
+void pack_panel(float* k_dst, float* v_dst, const T* k_cache, const T* v_cache, const std::vector<int64_t>& rows,
+                int64_t d) {
   for (int64_t j = 0; j < kPanel; ++j) {
-    const int64_t t = first + j;
     float* vrow = v_dst + j * d;
-    if (t >= context_len) {
+    if (j >= static_cast<int64_t>(rows.size())) {
       for (int64_t x = 0; x < d; ++x) k_dst[x * kPanel + j] = 0.f;
       std::fill(vrow, vrow + d, 0.f);
       continue;
     }
-    const int64_t row = (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * kv_heads + h;
-    const T* kr = k_cache + row * d;
-    const T* vr = v_cache + row * d;
+    const T* kr = k_cache + rows[j];
+    const T* vr = v_cache + rows[j];
     for (int64_t x = 0; x < d; ++x) k_dst[x * kPanel + j] = to_f(kr[x]);
     for (int64_t x = 0; x < d; ++x) vrow[x] = to_f(vr[x]);
   }
@@ -355,12 +354,15 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
       const scalar_t* vc = v_cache.data_ptr<scalar_t>();
       const index_t* tables = block_tables.data_ptr<index_t>();
       at::parallel_for(0, static_cast<int64_t>(panels.size()), 8, [&](int64_t begin, int64_t end) {
+        std::vector<int64_t> rows;
         for (int64_t n = begin; n < end; ++n) {
           const auto [i, h, p] = panels[n];
           const Chunk& c = cs[i];
+          const int64_t first = c.key_lo + p * kPanel;
+          context_rows(rows, tables + i * width, first, std::min(first + kPanel, c.context_len), block_size,
+                       kv_heads * d, h * d);
           const int64_t offset = c.pack_offset + (h * c.packed_keys + p * kPanel) * d;
-          pack_panel(k_packed.get() + offset, v_packed.get() + offset, kc, vc, tables + i * width,
-                     c.key_lo + p * kPanel, c.context_len, block_size, kv_heads, h, d);
+          pack_panel(k_packed.get() + offset, v_packed.get() + offset, kc, vc, rows, d);
         }
       });
       const scalar_t* qp = q.data_ptr<scalar_t>();
