@@ -17,6 +17,7 @@ from torch import nn
 
 from workers.attention import AttentionMetadata
 from workers import cpu_ops
+from workers.layer_stack import CpuLayerStack, unsupported_reason
 from workers.decoder_layers import (DecoderAttention, DecoderLayer, GatedMLP, RMSNorm, forward_fused_residual,
                                     make_norm)
 from workers.model_config import ModelConfig
@@ -62,6 +63,8 @@ class DecoderForCausalLM(nn.Module):
                                      else float(torch.tensor(cfg.embedding_multiplier, dtype=dtype)))
         # Llama-style layers pass the residual apart through the CPU kernels (use_cpu_kernels).
         self.fused_residual = False
+        # The layer loop as one call into the CPU kernels (use_cpu_layer_stack); None: Python.
+        self.layer_stack: CpuLayerStack | None = None
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -72,6 +75,9 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embedding_multiplier is not None:
             x = x * self.embedding_multiplier
+        if self.layer_stack is not None and self.layer_stack.accepts(meta):
+            x, residual = self.layer_stack(x, positions, kv_caches, meta)
+            return cpu_ops.ops().add_rms_norm(residual, x, self.norm.weight, self.norm.eps, self.norm.offset)[1]
         if self.fused_residual:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches):
@@ -93,6 +99,17 @@ class DecoderForCausalLM(nn.Module):
             elif isinstance(module, GatedMLP):
                 module.silu_kernel = module.act is F.silu
         self.fused_residual = not self.cfg.sandwich_norms
+
+    def use_cpu_layer_stack(self) -> bool:
+        """Run the layer loop as one call into the CPU kernels where this model allows it (after
+        use_cpu_kernels and any prepacking: the stack keeps the weights it finds now). Returns
+        whether it does; why not is logged."""
+        reason = unsupported_reason(self)
+        if reason is not None:
+            logger.info("CPU layer stack off: %s", reason)
+            return False
+        self.layer_stack = CpuLayerStack(self)
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head.compute_logits(hidden)

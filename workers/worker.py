@@ -60,6 +60,9 @@ class WorkerConfig:
     # CPU, float32, with the kernels: prefill chunks through the kernels' flash attention over
     # the paged cache (workers/csrc/prefill_attention.cpp) instead of torch's SDPA.
     cpu_prefill_attention: bool = True
+    # CPU, one rank, with the kernels: the layer loop as one call into them for the models it
+    # serves (workers/layer_stack.py).
+    cpu_layer_stack: bool = True
 
 
 @dataclass
@@ -102,6 +105,8 @@ class WorkerCore:
             prepack_linears(model, small_batch_rows=self._small_batch_rows())
         if self.cpu_kernels:
             model.use_cpu_kernels()
+            if cfg.cpu_layer_stack:
+                model.use_cpu_layer_stack()
         self.model = model.eval()
         load_time = time.perf_counter() - start
         self.kv_spec = kv_spec_for(self.model_config, cfg.block_size, model.num_local_kv_heads, cfg.dtype)

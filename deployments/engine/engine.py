@@ -53,6 +53,7 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
         cpu_kernels=config.cpu_kernels,
         cpu_small_batch_linear=config.cpu_small_batch_linear,
         cpu_prefill_attention=config.cpu_prefill_attention,
+        cpu_layer_stack=config.cpu_layer_stack,
     )
 
 

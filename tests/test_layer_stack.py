@@ -1,0 +1,188 @@
+"""The CPU layer stack (workers/layer_stack.py, workers/csrc/layer_stack.cpp): the decoder's layer
+loop as one call into the kernels must give bit-identical hidden states to the Python loop it
+replaces, on every step an engine runs: decode-only steps, chunked prefills after cached context
+and prefix-cache hits, decode batches on skinny_linear (<= 48 rows) and on the packed GEMM (more),
+with skinny_linear off, without prepacking (at::linear), with biases on every projection, with
+sliding windows, and in bf16 (where prefill chunks keep SDPA and so the Python loop). Models it
+cannot serve (sandwich norms, q/k norms) keep the Python loop, and the op refuses inputs that do
+not describe the layers it is given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_helpers import greedy, make_engine, run_engine
+from family_models import make_tiny_family_model
+from model_fixtures import make_tiny_llama
+from workers import cpu_ops
+from workers.default_model import ensure_default_model
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
+                                                          "(no g++ or ninja; the log says why)")
+
+
+class StackVsLoop:
+    """Wraps a model's forward: every step runs through the layer stack and again through the
+    Python loop on the same inputs, and the two hidden states must be equal bit for bit (the
+    second run writes the same K/V into the same slots, so the cache is unchanged by it)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.stack = model.layer_stack
+        self.forward = model.forward
+        # Steps the stack ran, by kind.
+        self.decode_only = self.mixed = self.fallback = 0
+        # The largest decode-only batch the stack ran.
+        self.max_decode_rows = 0
+        model.forward = self
+
+    def __call__(self, input_ids, positions, kv_caches, meta):
+        accepted = self.stack.accepts(meta)
+        if not accepted:
+            self.fallback += 1
+        elif meta.prefills:
+            self.mixed += 1
+        else:
+            self.decode_only += 1
+            self.max_decode_rows = max(self.max_decode_rows, input_ids.shape[0])
+        stacked = self.forward(input_ids, positions, kv_caches, meta)
+        self.model.layer_stack = None
+        try:
+            looped = self.forward(input_ids, positions, kv_caches, meta)
+        finally:
+            self.model.layer_stack = self.stack
+        assert stacked.dtype == looped.dtype and torch.equal(stacked, looped), (
+            f"layer stack differs from the loop by {(stacked.float() - looped.float()).abs().max()}")
+        return stacked
+
+
+def _workload(num_requests: int, shared: int = 40, max_tokens: int = 6) -> dict:
+    """Prompts sharing a first `shared` tokens (prefix-cache hits after the first), of lengths that
+    need several 48-token chunks, then a few decode steps of all of them at once."""
+    prefix = list(range(7, 7 + shared))
+    return {f"r{i}": (prefix + list(range(200 + 31 * i, 200 + 31 * i + 5 + (i * 7) % 60)), greedy(max_tokens))
+            for i in range(num_requests)}
+
+
+def _run(path: str, requests: dict, **overrides) -> tuple[StackVsLoop, dict]:
+    args = {"max_num_batched_tokens": 48, "enable_prefix_caching": True, "kv_cache_memory_gib": 0.5, **overrides}
+    engine = make_engine(path, **args)
+    model = engine.executor.worker.model
+    assert model.layer_stack is not None, "the engine did not build the layer stack"
+    check = StackVsLoop(model)
+    return check, run_engine(engine, requests)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"cpu_small_batch_linear": False}, {"cpu_prepack_linear": False}],
+                         ids=["skinny+packed", "packed-only", "unpacked"])
+def test_stack_equals_the_python_loop_on_every_step(tmp_path, overrides):
+    """Llama, head_dim 64 (the AVX2 attention tiles), 56 requests, a 64-token budget: decode steps
+    of 56 rows take the packed GEMM, steps of fewer rows skinny_linear; every step bit-identical."""
+    path = make_tiny_llama(tmp_path / "m", num_layers=3, head_dim=64, num_heads=6, num_kv_heads=2)
+    # 8-token prompts: all 56 are decoding together long before the first finishes.
+    requests = {f"w{i}": (list(range(300 + 8 * i, 308 + 8 * i)), greedy(24)) for i in range(56)}
+    check, outputs = _run(path, requests, max_num_seqs=64, max_num_batched_tokens=64, **overrides)
+    assert check.decode_only >= 3 and check.mixed >= 3 and check.fallback == 0
+    assert check.max_decode_rows == 56  # all 56 at once: above skinny_linear's 48 rows
+    assert all(len(tokens) == 24 for tokens in outputs.values())
+
+
+def _llama_with_biases(folder: Path) -> str:
+    """A tiny Llama with attention_bias and mlp_bias (q/k/v, o, gate/up and down biases), random."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = Path(make_tiny_llama(folder / "base"))
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=2048,
+                         attention_bias=True, mlp_bias=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    target = folder / "biased"
+    model.save_pretrained(str(target), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).exists():
+            (target / name).write_bytes((source / name).read_bytes())
+    return str(target)
+
+
+def test_stack_with_a_bias_on_every_projection(tmp_path):
+    check, _ = _run(_llama_with_biases(tmp_path), _workload(6))
+    assert check.decode_only >= 3 and check.mixed >= 1 and check.fallback == 0
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_stack_on_other_families(tmp_path, family):
+    """Mistral: a sliding window (12) shorter than the prompts; Qwen2: q/k/v biases, tied embeddings."""
+    check, _ = _run(make_tiny_family_model(tmp_path / family, family), _workload(6, max_tokens=14))
+    assert check.decode_only >= 10 and check.mixed >= 1 and check.fallback == 0
+
+
+def test_bf16_stack_runs_decodes_and_leaves_sdpa_prefills_to_the_loop(tmp_path):
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, head_dim=64)
+    check, _ = _run(path, _workload(4), dtype="bfloat16")
+    assert check.decode_only >= 3 and check.mixed == 0 and check.fallback >= 1
+
+
+def test_greedy_tokens_of_the_default_model_equal_the_loop_s(tmp_path):
+    """SmolLM2 (30 layers, 9 heads / 3 KV heads), stack on and off: the same greedy tokens."""
+    path = str(ensure_default_model())
+    prompts = {f"p{i}": (list(range(1000 + 50 * i, 1000 + 50 * i + 20 + 9 * i)), greedy(8)) for i in range(3)}
+    outputs = []
+    for on in (True, False):
+        engine = make_engine(path, cpu_layer_stack=on)
+        assert (engine.executor.worker.model.layer_stack is not None) == on
+        outputs.append(run_engine(engine, prompts))
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3"])
+def test_models_it_cannot_serve_keep_the_python_loop(tmp_path, family):
+    """Gemma 2's sandwich norms and Qwen3's q/k norms are not what the stack runs."""
+    engine = make_engine(make_tiny_family_model(tmp_path / family, family))
+    assert engine.executor.worker.model.layer_stack is None
+
+
+def test_off_by_config_and_without_the_kernels(tmp_path):
+    path = make_tiny_llama(tmp_path / "m")
+    assert make_engine(path, cpu_layer_stack=False).executor.worker.model.layer_stack is None
+    assert make_engine(path, cpu_kernels=False).executor.worker.model.layer_stack is None
+
+
+def test_the_op_refuses_inputs_that_do_not_fit_its_layers(tmp_path):
+    path = make_tiny_llama(tmp_path / "m", num_layers=2)
+    engine = make_engine(path)
+    stack = engine.executor.worker.model.layer_stack
+    kv = engine.executor.worker.runner.kv_caches
+    k_caches, v_caches = [k for k, _ in kv], [v for _, v in kv]
+    x = torch.randn(1, 128)
+    positions = torch.zeros(1, dtype=torch.long)
+    slots = torch.tensor([16])
+    tables = torch.tensor([[1]])
+    lens = torch.tensor([1], dtype=torch.int32)
+
+    def call(weights=stack.weights, decode_tables=tables, decode_lens=lens, num_decodes=1, windows=(0, 0)):
+        return cpu_ops.ops().layer_stack(x, positions, slots, decode_tables, decode_lens, None, None, weights,
+                                         k_caches, v_caches, stack.cos, stack.sin, list(windows), num_decodes,
+                                         stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps,
+                                         stack.norm_offset, stack.scale, stack.soft_cap, stack.small_batch_rows)
+
+    hidden, residual = call()
+    assert hidden.shape == residual.shape == (1, 128)
+    with pytest.raises(RuntimeError, match="weight slots each"):
+        call(weights=stack.weights[:-1])
+    with pytest.raises(RuntimeError, match="weight slots each"):
+        call(windows=(0,))
+    with pytest.raises(RuntimeError, match="decodes need their block tables"):
+        call(decode_tables=None)
+    with pytest.raises(RuntimeError, match="prefill kernel's chunk table"):
+        call(num_decodes=0)
+    missing_norm = list(stack.weights)
+    missing_norm[0] = None
+    with pytest.raises(RuntimeError, match="lacks weight slot 0"):
+        call(weights=missing_norm)

@@ -1,0 +1,195 @@
+// layer_stack: every decoder layer of a Llama-style model, one C++ call per step (CPU, one rank).
+//
+// Why: the Python layer loop dispatches ~12 ops and ~6 module calls per layer. On a 2-core AMD
+// EPYC (Zen 1) a batch-1 decode step of the default model took 45-49 ms of which the ops were
+// ~34 ms: ~28% of the step thread's samples (perf) were the interpreter and torch's Python
+// bindings between ops, while torch's second OpenMP thread spun at its barrier. This is the CPU's
+// counterpart of replaying a CUDA graph: the same ops, in the same order, on the same tensors,
+// called through the dispatcher from C++ (results are bit-identical to the Python path: the
+// tests compare them), so only the interpreter's share of the step goes away.
+//
+// What it runs per layer (workers/decoder_layers.py's forward_fused_residual, DecoderAttention,
+// GatedMLP with SiLU, and attention.paged_attention's kernel path):
+//   residual, h = add_rms_norm(residual, x)        (layer 0: residual = x, h = rms_norm(x))
+//   q, k, v     = split(linear(h, qkv))            rotary_(q, k); reshape_and_cache(k, v)
+//   out         = paged_decode_attention(decodes) + paged_prefill_attention(prefill chunks)
+//   residual, h = add_rms_norm(residual, linear(out, o))
+//   x           = linear(silu_and_mul(linear(h, gate_up)), down)
+// and returns (x, residual) of the last layer; the model's final norm adds them.
+// A linear takes skinny_linear on the plain weight up to small_batch_rows rows, oneDNN's
+// prepacked GEMM (mkldnn::_linear_pointwise) above when a packed weight is given, else at::linear:
+// workers/cpu_linear.py's linear(), decided the same way.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string_view>
+
+namespace {
+
+// Tensors per layer in the flat weight list, in this order (workers/layer_stack.py builds it).
+enum LayerSlot : int64_t {
+  kInputNorm,
+  kQkvWeight,
+  kQkvPacked,
+  kQkvBias,
+  kOWeight,
+  kOPacked,
+  kOBias,
+  kPostNorm,
+  kGateUpWeight,
+  kGateUpPacked,
+  kGateUpBias,
+  kDownWeight,
+  kDownPacked,
+  kDownBias,
+  kSlotsPerLayer,
+};
+
+using OptTensor = std::optional<at::Tensor>;
+
+// The ops this file composes, looked up once (typed: the dispatcher checks each signature).
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)> rms_norm;
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              double, double)>
+      add_rms_norm;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
+  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
+      rotary;
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&)>
+      reshape_and_cache;
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, int64_t, double)>
+      decode_attention;
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, int64_t, double)>
+      prefill_attention;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> skinny_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view,
+                                      c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>
+      packed_linear;
+
+  static const Ops& get() {
+    static const Ops ops = [] {
+      auto find = [](const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); };
+      return Ops{
+          find("tpserve_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>(),
+          find("tpserve_cpu::add_rms_norm")
+              .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        double, double)>(),
+          find("tpserve_cpu::silu_and_mul").typed<at::Tensor(const at::Tensor&)>(),
+          find("tpserve_cpu::rotary_")
+              .typed<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(),
+          find("tpserve_cpu::reshape_and_cache")
+              .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&)>(),
+          find("tpserve_cpu::paged_decode_attention")
+              .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, double, int64_t, double)>(),
+          find("tpserve_cpu::paged_prefill_attention")
+              .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, double, int64_t, double)>(),
+          find("tpserve_cpu::skinny_linear")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
+          find("mkldnn::_linear_pointwise")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view,
+                                c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>(),
+      };
+    }();
+    return ops;
+  }
+};
+
+// workers/cpu_linear.py's linear(): skinny_linear up to small_rows rows (0: never), the packed
+// GEMM when there is a packed weight, at::linear on the plain weight otherwise.
+at::Tensor project(const Ops& ops, const at::Tensor& x, const OptTensor& weight, const OptTensor& packed,
+                   const OptTensor& bias, int64_t small_rows) {
+  if (packed.has_value() && x.size(0) <= small_rows) return ops.skinny_linear.call(x, *weight, bias);
+  if (packed.has_value()) return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  TORCH_CHECK(weight.has_value(), "layer_stack: a projection has neither a plain nor a packed weight");
+  return at::linear(x, *weight, bias);
+}
+
+std::tuple<at::Tensor, at::Tensor> layer_stack(
+    const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const std::optional<at::Tensor>& decode_block_tables, const std::optional<at::Tensor>& decode_context_lens,
+    const std::optional<at::Tensor>& prefill_block_tables, const std::optional<at::Tensor>& prefill_chunks,
+    c10::List<std::optional<at::Tensor>> weights, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& cos, const at::Tensor& sin, c10::IntArrayRef sliding_windows, int64_t num_decodes,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double norm_offset, double scale,
+    double soft_cap, int64_t small_batch_rows) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(sliding_windows.size()) == layers &&
+                  static_cast<int64_t>(weights.size()) == layers * kSlotsPerLayer,
+              "layer_stack: ", layers, " layers need as many caches and windows and ", kSlotsPerLayer,
+              " weight slots each");
+  TORCH_CHECK(x_in.dim() == 2 && positions.numel() == x_in.size(0), "layer_stack: x [T, hidden], positions [T]");
+  const int64_t tokens = x_in.size(0);
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "layer_stack: more decodes than tokens");
+  TORCH_CHECK(num_decodes == 0 || (decode_block_tables.has_value() && decode_context_lens.has_value()),
+              "layer_stack: decodes need their block tables and context lengths");
+  const bool chunks = num_decodes < tokens;
+  TORCH_CHECK(!chunks || (prefill_block_tables.has_value() && prefill_chunks.has_value()),
+              "layer_stack: prefill tokens need the prefill kernel's chunk table");
+  const Ops& ops = Ops::get();
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  auto slot = [&](int64_t layer, LayerSlot s) -> OptTensor { return weights.get(layer * kSlotsPerLayer + s); };
+  auto need = [&](int64_t layer, LayerSlot s) -> at::Tensor {
+    OptTensor t = slot(layer, s);
+    TORCH_CHECK(t.has_value(), "layer_stack: layer ", layer, " lacks weight slot ", static_cast<int64_t>(s));
+    return *t;
+  };
+
+  at::Tensor x = x_in, residual, h;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    if (layer == 0) {
+      residual = x;
+      h = ops.rms_norm.call(x, need(layer, kInputNorm), eps, norm_offset);
+    } else {
+      std::tie(residual, h) = ops.add_rms_norm.call(residual, x, need(layer, kInputNorm), eps, norm_offset);
+    }
+    const at::Tensor qkv =
+        project(ops, h, slot(layer, kQkvWeight), slot(layer, kQkvPacked), slot(layer, kQkvBias), small_batch_rows);
+    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer_stack: the QKV projection's width does not fit the heads");
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    ops.rotary.call(q, k, positions, cos, sin);
+    const at::Tensor& k_cache = k_caches[layer];
+    const at::Tensor& v_cache = v_caches[layer];
+    ops.reshape_and_cache.call(k, v, k_cache, v_cache, slot_mapping);
+    at::Tensor out = at::empty({tokens, num_heads, head_dim}, q.options());
+    if (num_decodes > 0)
+      ops.decode_attention.call(out.narrow(0, 0, num_decodes), q.narrow(0, 0, num_decodes), k_cache, v_cache,
+                                *decode_block_tables, *decode_context_lens, scale, sliding_windows[layer], soft_cap);
+    if (chunks)
+      ops.prefill_attention.call(out, q, k_cache, v_cache, *prefill_block_tables, *prefill_chunks, scale,
+                                 sliding_windows[layer], soft_cap);
+    const at::Tensor attn = project(ops, out.view({tokens, q_size}), slot(layer, kOWeight), slot(layer, kOPacked),
+                                    slot(layer, kOBias), small_batch_rows);
+    std::tie(residual, h) = ops.add_rms_norm.call(residual, attn, need(layer, kPostNorm), eps, norm_offset);
+    const at::Tensor gate_up = project(ops, h, slot(layer, kGateUpWeight), slot(layer, kGateUpPacked),
+                                       slot(layer, kGateUpBias), small_batch_rows);
+    x = project(ops, ops.silu_and_mul.call(gate_up), slot(layer, kDownWeight), slot(layer, kDownPacked),
+                slot(layer, kDownBias), small_batch_rows);
+  }
+  return {x, residual};
+}
+
+int64_t layer_stack_slots_per_layer() { return kSlotsPerLayer; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.def(
+      "layer_stack(Tensor x, Tensor positions, Tensor slot_mapping, Tensor? decode_block_tables, "
+      "Tensor? decode_context_lens, Tensor? prefill_block_tables, Tensor? prefill_chunks, Tensor?[] weights, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, int[] sliding_windows, int num_decodes, "
+      "int num_heads, int num_kv_heads, int head_dim, float eps, float norm_offset, float scale, float soft_cap, "
+      "int small_batch_rows) -> (Tensor, Tensor)",
+      &layer_stack);
+  m.def("layer_stack_slots_per_layer() -> int", &layer_stack_slots_per_layer);
+}
