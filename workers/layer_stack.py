@@ -35,7 +35,9 @@ def unsupported_reason(model: DecoderForCausalLM) -> str | None:
     first = model.layers[0].self_attn
     for layer in model.layers:
         attn = layer.self_attn
-        if not attn.cpu_kernel or attn.q_norm is not None:
+        if not attn.cpu_kernel:
+            return "its attention does not run the CPU kernels"
+        if attn.q_norm is not None:
             return "per-head q/k norms"
         if attn.rotary is not first.rotary:
             return "layers with different rotary tables"
