@@ -35,10 +35,10 @@ class TpserveConfig(BaseModel):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     # Most requests running at once.
     max_num_seqs: int = Field(default=64, gt=0)
-    # Per-step token budget (prefill chunks + decode tokens). 1024: on the 2-core EPYC, 16 and 64
-    # streams, 6-14% more output tok/s than 512 and 12-18% lower median TPOT (fewer, larger
-    # prefill steps: each step reads every weight once), the 16-stream TTFT 24-30% higher; vLLM's
-    # CPU server takes 2048 (README, levers table).
+    # Per-step token budget (prefill chunks + decode tokens). 1024: in tpserve-only A/Bs on the
+    # 2-core EPYC (16 and 64 streams, both run orders), 6-14% more output tok/s than 512 and 12-18%
+    # lower median TPOT, the 16-stream TTFT 24-30% higher; vLLM's CPU server takes 2048 (README,
+    # levers table).
     max_num_batched_tokens: int = Field(default=1024, gt=0)
     # Automatic prefix caching.
     enable_prefix_caching: bool = True
