@@ -181,6 +181,43 @@ def test_paged_decode_attention_refuses_tables_that_would_read_outside_the_cache
         ops().paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, bad, context, 0.125, 0, 0.0)
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values in the CPU cache's memory layout: [blocks][heads][tokens][dim] under a
+    [blocks, tokens, heads, dim] view (workers/kv_cache.py)."""
+    n, bs, kvh, d = cache.shape
+    return torch.empty(n, kvh, bs, d, dtype=cache.dtype).transpose(1, 2).copy_(cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_reads_a_head_major_cache_as_it_reads_a_token_major_one(dtype):
+    q, k_cache, v_cache, tables, context = _decode_case(dtype, 64, 9, 3, [1, 15, 16, 17, 63, 200])
+    outs = []
+    for kc, vc in ((k_cache, v_cache), (head_major(k_cache), head_major(v_cache))):
+        out = torch.empty_like(q)
+        ops().paged_decode_attention(out, q, kc, vc, tables, context, 0.125, 0, 0.0)
+        outs.append(out)
+    assert not head_major(k_cache).is_contiguous()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_kv_writes_land_in_the_same_places_in_a_head_major_cache():
+    torch.manual_seed(0)
+    kv = torch.randn(5, 2 * 3 * 8)
+    k, v = kv[:, :24].view(5, 3, 8), kv[:, 24:].view(5, 3, 8)
+    slots = torch.tensor([4, 5, 11, 23, 6])
+    ref_k, ref_v = torch.zeros(6, 4, 3, 8), torch.zeros(6, 4, 3, 8)
+    write_kv(ref_k, ref_v, k, v, slots)
+    for write in (write_kv, ops().reshape_and_cache):
+        k_cache, v_cache = head_major(torch.zeros(6, 4, 3, 8)), head_major(torch.zeros(6, 4, 3, 8))
+        if write is write_kv:
+            write_kv(k_cache, v_cache, k, v, slots)
+        else:
+            write(k, v, k_cache, v_cache, slots)
+        assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    with pytest.raises(RuntimeError, match="share a shape and a layout"):
+        ops().reshape_and_cache(k, v, head_major(torch.zeros(6, 4, 3, 8)), torch.zeros(6, 4, 3, 8), slots)
+
+
 def test_rotary_refuses_a_position_beyond_its_table():
     rotary = RotaryEmbedding(64, 32, 10000.0, None, torch.float32)
     q, k = torch.randn(2, 4, 64), torch.randn(2, 2, 64)

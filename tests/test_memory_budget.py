@@ -16,6 +16,7 @@ from workers.kv_cache import (
     KVCacheSpec,
     KVCacheTooSmallError,
     MemoryProfile,
+    allocate_kv_cache,
     check_room_for_one_request,
     gpu_kv_budget,
     num_blocks_for_budget,
@@ -107,3 +108,14 @@ def test_profiling_forwards_run_on_a_tiny_model(tmp_path):
     with torch.inference_mode():
         profiling._prefill(worker.model, torch.device("cpu"), cfg)
         profiling._widest_decode_and_sampler(worker.model, torch.device("cpu"), cfg)
+
+
+def test_cpu_caches_are_head_major_in_memory_and_other_devices_token_major():
+    spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    for device, strides in ((torch.device("cpu"), (3 * 16 * 64, 64, 16 * 64, 1)),
+                            (torch.device("meta"), (16 * 3 * 64, 3 * 64, 64, 1))):
+        caches = allocate_kv_cache(spec, num_blocks=5, device=device)
+        assert len(caches) == 2
+        for k, v in caches:
+            assert k.shape == v.shape == (5, 16, 3, 64)
+            assert k.stride() == v.stride() == strides, device

@@ -107,6 +107,21 @@ def test_prefill_kernel_matches_the_sdpa_path_with_windows_and_soft_caps(window,
     _assert_close(kernel, reference)
 
 
+def test_prefill_kernel_reads_a_head_major_cache_as_it_reads_a_token_major_one():
+    q, k, v, k_cache, v_cache, meta = _step(torch.float32, 9, 3, 64, [(5, 300), (64, 64), (40, 130)])
+
+    def head_major(cache):  # the CPU cache's memory layout (workers/kv_cache.py)
+        n, bs, kvh, d = cache.shape
+        return torch.empty(n, kvh, bs, d, dtype=cache.dtype).transpose(1, 2).copy_(cache)
+
+    outs, caches = [], []
+    for kc, vc in ((k_cache.clone(), v_cache.clone()), (head_major(k_cache), head_major(v_cache))):
+        outs.append(paged_attention(q, k, v, kc, vc, meta(True), 0.125, cpu_kernels=True))
+        caches.append((kc, vc))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
 def test_prefill_kernel_takes_int64_tables():
     q, k, v, k_cache, v_cache, meta = _step(torch.float32, 9, 3, 64, [(30, 70)])
     m32, m64 = meta(True), meta(True)

@@ -75,6 +75,13 @@ class AttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new K/V [T, kv_heads, head_dim] into caches [num_blocks, block_size, kv_heads, head_dim]."""
+    if not k_cache.is_contiguous():
+        # A head-major CPU cache (workers/kv_cache.py) has no flat slot view: index (block, offset).
+        block_size = k_cache.shape[1]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        k_cache[blocks, offsets] = k
+        v_cache[blocks, offsets] = v
+        return
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
@@ -88,7 +95,9 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     """
     block_size, kv_heads, head_dim = cache.shape[1:]
     gathered = cache.index_select(0, block_table.reshape(-1))
-    return gathered.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, kv_heads, head_dim)
+    # reshape, not view: from a head-major cache (workers/kv_cache.py) torch 2.13 returns the
+    # selection contiguous, but nothing documents that it must.
+    return gathered.reshape(*block_table.shape[:-1], block_table.shape[-1] * block_size, kv_heads, head_dim)
 
 
 # Query rows per slice of the eager soft-capped attention (bounds its score tensor).

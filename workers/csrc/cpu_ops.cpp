@@ -230,11 +230,13 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::
 
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                        const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0));
-  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
-  const int64_t row = heads * d;
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const CacheStrides cs = cache_strides(k_cache, v_cache);
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "k, v: [T, KVH, D] of the cache's heads");
+  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == v.scalar_type());
+  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2), block_size = k_cache.size(1);
+  const int64_t num_slots = k_cache.size(0) * block_size;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const size_t bytes = d * k.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());
@@ -244,9 +246,10 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_ca
   const int64_t es = k.element_size();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
+    const int64_t base = (slots[t] / block_size) * cs.block + (slots[t] % block_size) * cs.token;
     for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(kc + (slots[t] * row + h * d) * es, kp + (t * k.stride(0) + h * k.stride(1)) * es, bytes);
-      std::memcpy(vc + (slots[t] * row + h * d) * es, vp + (t * v.stride(0) + h * v.stride(1)) * es, bytes);
+      std::memcpy(kc + (base + h * cs.head) * es, kp + (t * k.stride(0) + h * k.stride(1)) * es, bytes);
+      std::memcpy(vc + (base + h * cs.head) * es, vp + (t * v.stride(0) + h * v.stride(1)) * es, bytes);
     }
   }
 }
@@ -549,10 +552,12 @@ bool decode_one_avx2_dispatch(T* out, const T* q, const T* k_cache, const T* v_c
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                             int64_t sliding_window, double soft_cap) {
-  // out, q: [N, H, D]; caches: [num_blocks, block_size, KVH, D]; block_tables [N, W]; context_lens [N].
+  // out, q: [N, H, D]; caches: [num_blocks, block_size, KVH, D] (any strides, rows contiguous);
+  // block_tables [N, W]; context_lens [N].
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [N, H, D] with contiguous heads");
   TORCH_CHECK(out.dim() == 3 && out.is_contiguous() && out.sizes() == q.sizes());
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous());
+  TORCH_CHECK(block_tables.is_contiguous());
+  const CacheStrides cs = cache_strides(k_cache, v_cache);
   TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous());
   const int64_t num_reqs = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = block_tables.size(1);
@@ -586,7 +591,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
           const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
           scalar_t* o = op + (b * heads + h * group) * d;
           const scalar_t* qb = qp + b * q.stride(0) + h * group * d;
-          context_rows(rows, tables + b * width, start, len, block_size, kv_heads * d, h * d);
+          context_rows(rows, tables + b * width, start, len, block_size, cs, h);
           const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
 #if defined(__AVX512F__)
           if (group <= kMaxGroup && (d == 64 || d == 128 || d == 256)) {

@@ -288,11 +288,13 @@ void pack_panel(float* k_dst, float* v_dst, const T* k_cache, const T* v_cache, 
 void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& block_tables, const at::Tensor& chunks, double scale,
                              int64_t sliding_window, double soft_cap) {
-  // out [T, H, D] contiguous; q [T, H, D] with contiguous heads; caches [num_blocks, block_size, KVH, D];
+  // out [T, H, D] contiguous; q [T, H, D] with contiguous heads; caches [num_blocks, block_size, KVH, D]
+  // (any strides, rows contiguous);
   // block_tables [C, W]; chunks [C, 3] int32: query start, query length, context length.
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [T, H, D] with contiguous heads");
   TORCH_CHECK(out.dim() == 3 && out.is_contiguous() && out.sizes() == q.sizes(), "out: [T, H, D], contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous());
+  TORCH_CHECK(block_tables.is_contiguous());
+  const CacheStrides strides = cache_strides(k_cache, v_cache);
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == q.scalar_type() &&
               v_cache.scalar_type() == q.scalar_type(), "q, out and the caches must share a dtype");
   TORCH_CHECK(chunks.scalar_type() == at::kInt && chunks.is_contiguous() && chunks.dim() == 2 && chunks.size(1) == 3,
@@ -360,7 +362,7 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
           const Chunk& c = cs[i];
           const int64_t first = c.key_lo + p * kPanel;
           context_rows(rows, tables + i * width, first, std::min(first + kPanel, c.context_len), block_size,
-                       kv_heads * d, h * d);
+                       strides, h);
           const int64_t offset = c.pack_offset + (h * c.packed_keys + p * kPanel) * d;
           pack_panel(k_packed.get() + offset, v_packed.get() + offset, kc, vc, rows, d);
         }

@@ -164,18 +164,34 @@ inline __m128 reduce4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 #endif  // __AVX2__ && __FMA__
 
+// Element strides of a paged KV cache indexed [block, token in block, KV head, dim]: any layout
+// whose head rows are contiguous. On CPU the caches are head-major in memory ([block][head][token]
+// under a permuted view, workers/kv_cache.py), so the kernels take strides rather than assume the
+// token-major shape.
+struct CacheStrides {
+  // Elements between blocks, tokens of a block, KV heads of a token.
+  int64_t block, token, head;
+};
+
+inline CacheStrides cache_strides(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1, "caches: [num_blocks, block_size, KVH, D], rows contiguous");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
+              "the K and V caches must share a shape and a layout");
+  return {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+}
+
 // Element offset, within a cache, of head h's row for every context token in [start, len), walked
 // block by block: a division per token (t / block_size) costs more than the token's FMAs (a 64-bit
 // idiv takes 14-46 cycles on Zen 1, and the kernels below needed one or more per token per pass).
 template <typename Index>
 inline void context_rows(std::vector<int64_t>& rows, const Index* table, int64_t start, int64_t len, int64_t block_size,
-                  int64_t row_stride, int64_t head_offset) {
+                         const CacheStrides& s, int64_t h) {
   const int64_t n = len - start;
   rows.resize(n);
   int64_t i = 0, off = start % block_size;
   for (int64_t blk = start / block_size; i < n; ++blk, off = 0) {
-    const int64_t base = static_cast<int64_t>(table[blk]) * block_size;
-    for (; off < block_size && i < n; ++off, ++i) rows[i] = (base + off) * row_stride + head_offset;
+    const int64_t base = static_cast<int64_t>(table[blk]) * s.block + h * s.head;
+    for (; off < block_size && i < n; ++off, ++i) rows[i] = base + off * s.token;
   }
 }
 
