@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_helpers import greedy, make_engine, run_engine
+from kv_layouts import head_major
 from model_fixtures import make_tiny_llama
 from workers import cpu_ops
 from workers.attention import AttentionMetadata, paged_attention, write_kv
@@ -179,13 +180,6 @@ def test_paged_decode_attention_refuses_tables_that_would_read_outside_the_cache
     bad[1, 0] = k_cache.shape[0]
     with pytest.raises(RuntimeError, match="block id out of range"):
         ops().paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, bad, context, 0.125, 0, 0.0)
-
-
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same values in the CPU cache's memory layout: [blocks][heads][tokens][dim] under a
-    [blocks, tokens, heads, dim] view (workers/kv_cache.py)."""
-    n, bs, kvh, d = cache.shape
-    return torch.empty(n, kvh, bs, d, dtype=cache.dtype).transpose(1, 2).copy_(cache)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine_helpers import greedy, make_engine, run_engine
+from kv_layouts import head_major
 from model_fixtures import make_tiny_llama
 from workers import cpu_ops
 from workers.attention import AttentionMetadata, PrefillChunk, paged_attention
@@ -109,10 +110,6 @@ def test_prefill_kernel_matches_the_sdpa_path_with_windows_and_soft_caps(window,
 
 def test_prefill_kernel_reads_a_head_major_cache_as_it_reads_a_token_major_one():
     q, k, v, k_cache, v_cache, meta = _step(torch.float32, 9, 3, 64, [(5, 300), (64, 64), (40, 130)])
-
-    def head_major(cache):  # the CPU cache's memory layout (workers/kv_cache.py)
-        n, bs, kvh, d = cache.shape
-        return torch.empty(n, kvh, bs, d, dtype=cache.dtype).transpose(1, 2).copy_(cache)
 
     outs, caches = [], []
     for kc, vc in ((k_cache.clone(), v_cache.clone()), (head_major(k_cache), head_major(v_cache))):
