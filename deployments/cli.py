@@ -113,10 +113,9 @@ def serve_command(namespace: argparse.Namespace) -> int:
         # of the cluster, which inherit this environment, and the raylet nices the workers it
         # starts. (On a cluster joined with --ray-address, the environment its nodes were started
         # with decides.)
-        from deployments.serve_fast_path import control_loop_env, fast_path_env, worker_priority_env
+        from deployments.serve_fast_path import fast_path_env, ray_start_env
 
-        os.environ.update(worker_priority_env(os.environ))
-        os.environ.update(control_loop_env(os.environ))
+        os.environ.update(ray_start_env(os.environ))
         if namespace.ray_serve_fast_path:
             os.environ.update(fast_path_env(os.environ))
 

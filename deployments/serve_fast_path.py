@@ -16,7 +16,7 @@ must be in the environment of the process that starts Ray, not set later by the 
 
 A variable the user already set wins: these are defaults, not overrides.
 
-Apart from the fast path, and whether or not HAProxy exists (`worker_priority_env`):
+Apart from the fast path, and whether or not HAProxy exists (`ray_start_env`):
 
 - `RAY_worker_niceness=0`: Ray starts its worker processes, the Serve replicas among them, at
   nice 15, below its own daemons, the Serve controller's neighbours and any client on the machine.
@@ -24,7 +24,7 @@ Apart from the fast path, and whether or not HAProxy exists (`worker_priority_en
   preempts one of them, the whole step waits. Measured on this 2-core machine (`make bench-serve`
   workload, tpserve alone): 16 streams 257.5 -> 302.3 output tok/s, 64 streams 419.7 -> 464.0,
   1 stream 32.9 -> 36.3. The raylet reads it when it starts workers, so it belongs where Ray starts.
-- `RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1.0` (`control_loop_env`): Serve's controller reconciles every
+- `RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1.0`: Serve's controller reconciles every
   0.1 s by default, each pass a few ms of Python and calls into the GCS, and every wake-up
   preempts one of the engine's threads. Measured on the 2-core EPYC (`bench.served_step_breakdown
   --concurrency 1`, default / 1.0 alternated x2): controller 0.036 -> 0.013 cores and the GCS
@@ -90,17 +90,12 @@ def fast_path_env(environ: Mapping[str, str], nofile: int | None = None,
 
 # Ray's config variable for the nice value of the worker processes it starts (Ray's default: 15).
 WORKER_NICENESS = "RAY_worker_niceness"
-
-
-def worker_priority_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """Replicas at normal priority (see the module docstring), unless the user chose otherwise."""
-    return {} if WORKER_NICENESS in environ else {WORKER_NICENESS: "0"}
-
-
-# Serve's controller loop period (Ray's default: 0.1 s); see the module docstring.
+# Serve's controller loop period (Ray's default: 0.1 s).
 CONTROL_LOOP_INTERVAL = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
+# What tpserve starts Ray with, fast path or not (the module docstring says why for each).
+RAY_START_DEFAULTS = {WORKER_NICENESS: "0", CONTROL_LOOP_INTERVAL: "1.0"}
 
 
-def control_loop_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """A controller that wakes once a second (see the module docstring), unless the user chose."""
-    return {} if CONTROL_LOOP_INTERVAL in environ else {CONTROL_LOOP_INTERVAL: "1.0"}
+def ray_start_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """RAY_START_DEFAULTS less what the user already set: their values win."""
+    return {name: value for name, value in RAY_START_DEFAULTS.items() if name not in environ}

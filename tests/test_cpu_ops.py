@@ -201,12 +201,10 @@ def test_kv_writes_land_in_the_same_places_in_a_head_major_cache():
     slots = torch.tensor([4, 5, 11, 23, 6])
     ref_k, ref_v = torch.zeros(6, 4, 3, 8), torch.zeros(6, 4, 3, 8)
     write_kv(ref_k, ref_v, k, v, slots)
-    for write in (write_kv, ops().reshape_and_cache):
+    # The torch path and the kernel, each into a head-major cache.
+    for write in (lambda kc, vc: write_kv(kc, vc, k, v, slots), lambda kc, vc: ops().reshape_and_cache(k, v, kc, vc, slots)):
         k_cache, v_cache = head_major(torch.zeros(6, 4, 3, 8)), head_major(torch.zeros(6, 4, 3, 8))
-        if write is write_kv:
-            write_kv(k_cache, v_cache, k, v, slots)
-        else:
-            write(k, v, k_cache, v_cache, slots)
+        write(k_cache, v_cache)
         assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     with pytest.raises(RuntimeError, match="share a shape and a layout"):
         ops().reshape_and_cache(k, v, head_major(torch.zeros(6, 4, 3, 8)), torch.zeros(6, 4, 3, 8), slots)

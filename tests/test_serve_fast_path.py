@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deployments.serve_fast_path import (CONTROL_LOOP_INTERVAL, MIN_MAXCONN, WORKER_NICENESS, control_loop_env, fast_path_env,
-                                         haproxy_maxconn, worker_priority_env)
+from deployments.serve_fast_path import (CONTROL_LOOP_INTERVAL, MIN_MAXCONN, WORKER_NICENESS, fast_path_env, haproxy_maxconn,
+                                         ray_start_env)
 
 
 def ports():
@@ -54,10 +54,10 @@ def test_this_install_has_rays_haproxy():
 
 
 def test_workers_start_at_normal_priority_unless_the_user_set_a_niceness():
-    assert worker_priority_env({}) == {WORKER_NICENESS: "0"}
-    assert worker_priority_env({WORKER_NICENESS: "5"}) == {}
+    assert ray_start_env({})[WORKER_NICENESS] == "0"
+    assert WORKER_NICENESS not in ray_start_env({WORKER_NICENESS: "5"})
 
 
 def test_the_serve_controller_wakes_once_a_second_unless_the_user_set_its_interval():
-    assert control_loop_env({}) == {CONTROL_LOOP_INTERVAL: "1.0"}
-    assert control_loop_env({CONTROL_LOOP_INTERVAL: "0.1"}) == {}
+    assert ray_start_env({})[CONTROL_LOOP_INTERVAL] == "1.0"
+    assert ray_start_env({CONTROL_LOOP_INTERVAL: "0.1"}) == {WORKER_NICENESS: "0"}
