@@ -57,6 +57,9 @@ def make_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--ray-serve-fast-path", action=argparse.BooleanOptionalAction, default=True,
                            help="start the local Ray with Serve's HAProxy ingress and throughput-optimized "
                                 "mode (deployments/serve_fast_path.py; default: on)")
+    serve_cmd.add_argument("--ray-dashboard", action=argparse.BooleanOptionalAction, default=False,
+                           help="start the local Ray with its dashboard (needed by `serve status` and "
+                                "`serve deploy`; default: off, its processes take CPU from the engine)")
     _add_config_flags(serve_cmd)
     return parser
 
@@ -139,7 +142,10 @@ def serve_command(namespace: argparse.Namespace) -> int:
         # replica): on a small machine Ray's default (the core count) would leave it pending forever.
         from workers.placement import local_ray_num_cpus
 
-        ray.init(address="local", num_cpus=local_ray_num_cpus(config.tensor_parallel_size, os.cpu_count() or 1))
+        # No dashboard unless asked for: its head process and ten module processes wake every few
+        # hundred ms and take ~0.04 cores from a CPU engine (README "Performance", levers table).
+        ray.init(address="local", include_dashboard=namespace.ray_dashboard,
+                 num_cpus=local_ray_num_cpus(config.tensor_parallel_size, os.cpu_count() or 1))
     # After ray.init, which installs its own SIGTERM handler: SIGTERM takes the same clean path as
     # Ctrl-C. SIGINT is set explicitly too: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)

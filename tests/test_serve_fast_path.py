@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deployments.serve_fast_path import (CONTROL_LOOP_INTERVAL, MIN_MAXCONN, WORKER_NICENESS, fast_path_env, haproxy_maxconn,
-                                         ray_start_env)
+from deployments.serve_fast_path import (CONTROL_LOOP_INTERVAL, DIRECT_INGRESS_DRAIN, MIN_MAXCONN, QUIET_RAY_ENV,
+                                         WORKER_NICENESS, fast_path_env, haproxy_maxconn, ray_start_env)
 
 
 def ports():
@@ -60,4 +60,22 @@ def test_workers_start_at_normal_priority_unless_the_user_set_a_niceness():
 
 def test_the_serve_controller_wakes_once_a_second_unless_the_user_set_its_interval():
     assert ray_start_env({})[CONTROL_LOOP_INTERVAL] == "1.0"
-    assert ray_start_env({CONTROL_LOOP_INTERVAL: "0.1"}) == {WORKER_NICENESS: "0"}
+    assert CONTROL_LOOP_INTERVAL not in ray_start_env({CONTROL_LOOP_INTERVAL: "0.1"})
+
+
+def test_rays_idle_pollers_slow_down_unless_the_user_set_them():
+    env = ray_start_env({})
+    # The log monitor's glob throttled to every 5 s, the agent's reporter to 30 s, Serve's metric
+    # export to 1 s: values Ray's modules parse (int or float) and that are slower than Ray's.
+    assert env["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] == "0"
+    assert float(env["LOG_NAME_UPDATE_INTERVAL_S"]) > 0.5
+    assert int(env["REPORTER_UPDATE_INTERVAL_MS"]) > 5000
+    assert int(env["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"]) > 100
+    user = {"REPORTER_UPDATE_INTERVAL_MS": "1000"}
+    assert set(ray_start_env(user)) == set(ray_start_env({})) - set(user)
+    assert set(QUIET_RAY_ENV) <= set(env)
+
+
+def test_a_stopping_ingress_replica_drains_5s_not_30_unless_the_user_set_it():
+    assert fast_path_env({}, nofile=20_000, pick_port=ports())[DIRECT_INGRESS_DRAIN] == "5"
+    assert DIRECT_INGRESS_DRAIN not in fast_path_env({DIRECT_INGRESS_DRAIN: "30"}, nofile=20_000, pick_port=ports())
