@@ -16,8 +16,9 @@ must be in the environment of the process that starts Ray, not set later by the 
 - `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=5`: with direct ingress a stopping replica
   stays open at least this long (Ray's default: 30 s) so that load balancers in front can
   deregister it; Ctrl-C then took 33-36 s here. The only balancer `tpserve serve` puts in front is
-  the HAProxy that Serve reconfigures itself within a controller pass (1 s, below), and the drain
-  still waits for every in-flight request, so 5 s cuts no stream short.
+  the HAProxy that Serve itself reconfigures when a replica stops. The drain still waits for
+  in-flight requests, up to the deployment's `graceful_shutdown_timeout_s` (Ray raised it to
+  35 s to cover the 30 s floor; with 5 s it stays at its own value).
 
 A variable the user already set wins: these are defaults, not overrides.
 
