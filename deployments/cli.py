@@ -142,8 +142,8 @@ def serve_command(namespace: argparse.Namespace) -> int:
         # replica): on a small machine Ray's default (the core count) would leave it pending forever.
         from workers.placement import local_ray_num_cpus
 
-        # No dashboard unless asked for: its head process and ten module processes wake every few
-        # hundred ms and take ~0.04 cores from a CPU engine (README "Performance", levers table).
+        # No dashboard unless asked for: its head process and ten module processes took ~0.04
+        # cores of an idle 2-core machine from a CPU engine (README "Performance", levers table).
         ray.init(address="local", include_dashboard=namespace.ray_dashboard,
                  num_cpus=local_ray_num_cpus(config.tensor_parallel_size, os.cpu_count() or 1))
     # After ray.init, which installs its own SIGTERM handler: SIGTERM takes the same clean path as
