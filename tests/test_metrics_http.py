@@ -378,10 +378,16 @@ def test_ray_metrics_agent_serves_the_same_metrics(http, tpserve_server, poll):
         if state["missing"]:
             return False
         # Ray exports every few seconds: wait until it has caught up with /metrics (a quiet server).
-        generated = [s.value for s in samples["ray_tpserve_generation_tokens_total"]
-                     if s.labels.get("model_name") == tpserve_server.model_name]
-        state["generated"] = generated
-        return total(served, "tpserve_generation_tokens_total") in generated
+        # Other apps of this model (earlier tests' extra deployments) leave series of their own in
+        # Ray's export, told apart only by the replica process's WorkerId: find this replica's.
+        series = [s for s in samples["ray_tpserve_generation_tokens_total"]
+                  if s.labels.get("model_name") == tpserve_server.model_name]
+        state["generated"] = [(s.value, s.labels.get("WorkerId")) for s in series]
+        ours = [s for s in series if s.value == total(served, "tpserve_generation_tokens_total")]
+        if len(ours) != 1:
+            return False
+        state["worker"] = ours[0].labels.get("WorkerId")
+        return True
 
     try:
         poll(exported, 60, "Ray's metrics agent to export tpserve's metrics", poll_s=1.0)
@@ -391,11 +397,14 @@ def test_ray_metrics_agent_serves_the_same_metrics(http, tpserve_server, poll):
             f"{state.get('generated')} vs /metrics {total(served, 'tpserve_generation_tokens_total')}"
         ) from None
     samples = state["samples"]
+
+    def this_replica(s) -> bool:
+        return s.labels.get("model_name") == tpserve_server.model_name and s.labels.get("WorkerId") == state["worker"]
+
     for name in ("ray_tpserve_kv_cache_used_tokens", "ray_tpserve_request_success_total",
                  "ray_tpserve_time_to_first_token_seconds_count", "ray_tpserve_cache_config_info"):
-        assert any(s.labels.get("model_name") == tpserve_server.model_name for s in samples[name]), name
+        assert any(this_replica(s) for s in samples[name]), name
     assert not any(name.endswith("_total_total") for name in samples)
-    (info,) = [s for s in samples["ray_tpserve_cache_config_info"]
-               if s.labels.get("model_name") == tpserve_server.model_name]
+    (info,) = [s for s in samples["ray_tpserve_cache_config_info"] if this_replica(s)]
     (served_info,) = served["tpserve_cache_config_info"]
     assert {k: info.labels[k] for k in CACHE_CONFIG_LABELS} == {k: served_info.labels[k] for k in CACHE_CONFIG_LABELS}
