@@ -367,6 +367,7 @@ def test_ray_metrics_agent_serves_the_same_metrics(http, tpserve_server, poll):
     histograms = [d.name for d in METRIC_DEFINITIONS if d.kind == "histogram"]
     gauges = [d.name for d in METRIC_DEFINITIONS if d.kind in ("gauge", "info")]
     state: dict = {}
+    served_generated = total(served, "tpserve_generation_tokens_total")
 
     def exported() -> bool:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -383,7 +384,7 @@ def test_ray_metrics_agent_serves_the_same_metrics(http, tpserve_server, poll):
         series = [s for s in samples["ray_tpserve_generation_tokens_total"]
                   if s.labels.get("model_name") == tpserve_server.model_name]
         state["generated"] = [(s.value, s.labels.get("WorkerId")) for s in series]
-        ours = [s for s in series if s.value == total(served, "tpserve_generation_tokens_total")]
+        ours = [s for s in series if s.value == served_generated]
         if len(ours) != 1:
             return False
         state["worker"] = ours[0].labels.get("WorkerId")
@@ -394,12 +395,13 @@ def test_ray_metrics_agent_serves_the_same_metrics(http, tpserve_server, poll):
     except AssertionError as exc:
         raise AssertionError(
             f"{exc}; missing in Ray's export: {state.get('missing')}; Ray generation counters "
-            f"{state.get('generated')} vs /metrics {total(served, 'tpserve_generation_tokens_total')}"
+            f"{state.get('generated')} vs /metrics {served_generated}"
         ) from None
     samples = state["samples"]
 
     def this_replica(s) -> bool:
-        return s.labels.get("model_name") == tpserve_server.model_name and s.labels.get("WorkerId") == state["worker"]
+        return (s.labels.get("model_name") == tpserve_server.model_name
+                and s.labels.get("WorkerId") == state["worker"])
 
     for name in ("ray_tpserve_kv_cache_used_tokens", "ray_tpserve_request_success_total",
                  "ray_tpserve_time_to_first_token_seconds_count", "ray_tpserve_cache_config_info"):
