@@ -257,3 +257,24 @@ def test_a_stop_check_error_fails_only_its_request(monkeypatch):
     assert good.status == RequestStatus.FINISHED_LENGTH and good.num_output_tokens == 5 and good.error is None
     assert bad.status == RequestStatus.FINISHED_ABORTED and bad.error == scheduler_module.STOP_HANDLING_FAILED_MESSAGE
     assert sched.kv.pool.num_used_blocks == 0
+
+
+def test_an_unread_final_output_is_not_rewritten_by_a_later_failure():
+    """Shutdown delivers "shutting down"; the step it tore down may then fail and report "the
+    engine failed" to the same stream before the client reads it (seen once in
+    test_graceful_shutdown). The client must read the first final output, unchanged."""
+    async def scenario():
+        stream = RequestStream()
+        stream.put(output("a", 1, " t1"))
+        stream.put(RequestOutput("a", [], "", None, True, "abort", 3, 1, 0, error="the server is shutting down"))
+        stream.put(RequestOutput("a", [], "", None, True, "abort", 3, 0, 0, error="the engine failed"))
+        merged = await stream.get()
+        assert merged.new_token_ids == [1] and merged.finished and merged.finish_reason == "abort"
+        assert merged.error == "the server is shutting down" and merged.num_output_tokens == 1
+        # A normal end is not turned into an abort either.
+        stream.put(output("b", 2, " t2", finished=True))
+        stream.put(RequestOutput("b", [], "", None, True, "abort", 3, 0, 0, error="the engine failed"))
+        done = await stream.get()
+        assert done.finish_reason == "length" and done.error is None and done.num_output_tokens == 2
+
+    asyncio.run(scenario())

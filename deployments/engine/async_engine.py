@@ -44,8 +44,12 @@ class RequestStream:
         if self._pending is None:
             self._pending = out
             self._ready.set()
-        else:
+        elif not self._pending.finished:
             self._pending.merge(out)
+        # else: an unread final output stays final. A later one can only be an engine-wide
+        # failure that raced the request's own end (a step torn down by shutdown reports "the
+        # engine failed" after "shutting down" was delivered); merging it would rewrite the
+        # finish reason and the message the client is about to read.
 
     async def get(self) -> RequestOutput:
         if self._pending is None:
@@ -240,6 +244,12 @@ class AsyncEngine:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - the engine is dead whatever the cause
+            if self._dead_reason is not None:
+                # Shutdown already failed every request and tore the workers down under the
+                # step in flight (Python 3.11's wait_for can deliver that step's error instead
+                # of the cancellation): nothing new to report.
+                logger.info("tpserve engine loop stopped after %r: %s: %s", self._dead_reason, type(exc).__name__, exc)
+                return
             # Clients see a fixed reason; the exception (which worker, what it raised) goes to
             # the replica log only: its text can carry paths, shapes and addresses.
             if isinstance(exc, TimeoutError):
@@ -259,7 +269,11 @@ class AsyncEngine:
             self.metrics.refresh_gauges()
 
     def _fail_all(self, reason: str) -> None:
-        self._dead_reason = reason
+        # The first reason stands: a step that fails because shutdown tore its workers down
+        # is a consequence of the shutdown, not a second cause.
+        if self._dead_reason is None:
+            self._dead_reason = reason
+        reason = self._dead_reason
         for request_id, stream in list(self._streams.items()):
             stream.put(_error_output(request_id, 0, reason))
 
