@@ -3,7 +3,7 @@ loop as one call into the kernels must give bit-identical hidden states to the P
 replaces, on every step an engine runs: decode-only steps, chunked prefills after cached context
 and prefix-cache hits, decode batches on skinny_linear (<= 48 rows) and on the packed GEMM (more),
 with skinny_linear off, without prepacking (at::linear), with biases on every projection, with
-sliding windows, and in bf16 (where prefill chunks keep SDPA and so the Python loop). Models it
+sliding windows, and in bf16 (where prefill chunks keep SDPA, called per chunk from C++). Models it
 cannot serve (sandwich norms, q/k norms) keep the Python loop, and the op refuses inputs that do
 not describe the layers it is given."""
 
@@ -123,10 +123,26 @@ def test_stack_on_other_families(tmp_path, family):
     assert check.decode_only >= 10 and check.mixed >= 1 and check.fallback == 0
 
 
-def test_bf16_stack_runs_decodes_and_leaves_sdpa_prefills_to_the_loop(tmp_path):
+def test_bf16_stack_runs_sdpa_prefill_chunks_from_cpp(tmp_path):
+    """bf16 keeps SDPA for prefill chunks (torch's flash attention, AMX where there is one); the
+    stack calls it per chunk as the loop does: chunks at position 0, chunks after cached context
+    and after prefix-cache hits (a gather and a mask), all bit-identical."""
     path = make_tiny_llama(tmp_path / "m", num_layers=2, head_dim=64)
     check, _ = _run(path, _workload(4), dtype="bfloat16")
-    assert check.decode_only >= 3 and check.mixed == 0 and check.fallback >= 1
+    assert check.decode_only >= 3 and check.mixed >= 3 and check.fallback == 0
+
+
+def test_bf16_stack_with_a_sliding_window(tmp_path):
+    """Mistral's window (12) is shorter than the prompts: even a chunk at position 0 is masked."""
+    check, _ = _run(make_tiny_family_model(tmp_path / "mistral", "mistral"), _workload(4, max_tokens=14),
+                    dtype="bfloat16")
+    assert check.decode_only >= 10 and check.mixed >= 1 and check.fallback == 0
+
+
+def test_float32_stack_without_the_prefill_kernel_runs_sdpa_from_cpp(tmp_path):
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, head_dim=64)
+    check, _ = _run(path, _workload(4), cpu_prefill_attention=False)
+    assert check.decode_only >= 3 and check.mixed >= 3 and check.fallback == 0
 
 
 def test_greedy_tokens_of_the_default_model_equal_the_loop_s(tmp_path):
@@ -166,11 +182,13 @@ def test_the_op_refuses_inputs_that_do_not_fit_its_layers(tmp_path):
     tables = torch.tensor([[1]])
     lens = torch.tensor([1], dtype=torch.int32)
 
-    def call(weights=stack.weights, decode_tables=tables, decode_lens=lens, num_decodes=1, windows=(0, 0)):
-        return cpu_ops.ops().layer_stack(x, positions, slots, decode_tables, decode_lens, None, None, weights,
-                                         k_caches, v_caches, stack.cos, stack.sin, list(windows), num_decodes,
-                                         stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps,
-                                         stack.norm_offset, stack.scale, stack.soft_cap, stack.small_batch_rows)
+    def call(weights=stack.weights, decode_tables=tables, decode_lens=lens, num_decodes=1, windows=(0, 0),
+             chunk_tables=None, chunk_info=None, soft_cap=stack.soft_cap, prefill_sdpa=False):
+        return cpu_ops.ops().layer_stack(x, positions, slots, decode_tables, decode_lens, chunk_tables, chunk_info,
+                                         weights, k_caches, v_caches, stack.cos, stack.sin, list(windows),
+                                         num_decodes, stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps,
+                                         stack.norm_offset, stack.scale, soft_cap, stack.small_batch_rows,
+                                         prefill_sdpa)
 
     hidden, residual = call()
     assert hidden.shape == residual.shape == (1, 128)
@@ -182,6 +200,11 @@ def test_the_op_refuses_inputs_that_do_not_fit_its_layers(tmp_path):
         call(decode_tables=None)
     with pytest.raises(RuntimeError, match="prefill kernel's chunk table"):
         call(num_decodes=0)
+    one_chunk = dict(num_decodes=0, chunk_tables=torch.tensor([[1]], dtype=torch.int32),
+                     chunk_info=torch.tensor([[0, 1, 1]], dtype=torch.int32), prefill_sdpa=True)
+    assert call(**one_chunk)[0].shape == (1, 128)
+    with pytest.raises(RuntimeError, match="soft cap needs the eager attention"):
+        call(**one_chunk, soft_cap=30.0)
     missing_norm = list(stack.weights)
     missing_norm[0] = None
     with pytest.raises(RuntimeError, match="lacks weight slot 0"):

@@ -7,7 +7,8 @@ through its block table:
     longest context and masked;
   * prefill chunks: one SDPA call each, causal with an offset for the context already cached
     (a chunk that starts at position 0 uses its own K/V directly, no gather); with the CPU
-    kernels in float32, one flash-attention call for all chunks that reads the blocks in place.
+    kernels in float32, one flash-attention call for all chunks that reads the blocks in place
+    (in bf16 SDPA stays: torch's flash attention runs on AMX tiles, the kernel in float32).
 A layer may add a sliding window (keys more than window - 1 positions behind the query are
 masked) and a logit soft cap (Gemma 2: eager attention, since SDPA has no hook before the softmax).
 GQA is handled without copying K/V per query head: the query heads that share a KV head are
@@ -70,6 +71,10 @@ class AttentionMetadata:
     prefill_chunk_info: torch.Tensor | None = None
     # [num_prefills, max_blocks] int32 block tables of those chunks, padded with the null block.
     prefill_block_tables: torch.Tensor | None = None
+    # With the chunk table set: True, the chunks go through the CPU prefill kernel; False, through
+    # SDPA per chunk (bf16: torch's flash attention, on AMX tiles where the CPU has them), the
+    # table then only lets the CPU layer stack run the step (workers/layer_stack.py).
+    prefill_kernel: bool = True
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -192,7 +197,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         od = attend(qd, kd, vd, _decode_mask(meta, sliding_window), scale, soft_cap)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
 
-    if meta.prefills and meta.prefill_chunk_info is not None:
+    if meta.prefills and meta.prefill_chunk_info is not None and meta.prefill_kernel:
         cpu_ops.ops().paged_prefill_attention(out, q, k_cache, v_cache, meta.prefill_block_tables,
                                               meta.prefill_chunk_info, scale, sliding_window or 0, soft_cap or 0.0)
         return out.view(num_tokens, num_heads * head_dim)

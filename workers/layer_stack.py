@@ -8,8 +8,9 @@ bit-identical (tests/test_layer_stack.py), only the time between ops goes.
 
 It serves the layers the fused-residual CPU path serves (Llama-style: pre-norms, SwiGLU, no
 per-head q/k norms) on one rank (a tensor-parallel rank all-reduces between ops, from Python),
-one rotary table for every layer, and steps whose prefill chunks, if any, go through the prefill
-kernel (float32). Anything else, and every step it does not accept, takes the Python loop.
+one rotary table for every layer. A step's prefill chunks go through the prefill kernel (float32)
+or, where that is off (bf16), through SDPA per chunk called from C++, the same calls as the Python
+loop's. Anything else, and every step it does not accept, takes the Python loop.
 """
 
 from __future__ import annotations
@@ -89,15 +90,18 @@ class CpuLayerStack:
         self._k_caches: list[torch.Tensor] = []
         self._v_caches: list[torch.Tensor] = []
 
-    @staticmethod
-    def accepts(meta: AttentionMetadata) -> bool:
-        """Whether a step's attention runs entirely on the CPU kernels: decodes with context
-        lengths, prefill chunks with the prefill kernel's chunk table (not the SDPA fallback)."""
+    def accepts(self, meta: AttentionMetadata) -> bool:
+        """Whether a step's attention runs from C++: decodes with context lengths (the decode
+        kernel), prefill chunks with their chunk table (the prefill kernel, or SDPA per chunk
+        called from C++ as the Python loop calls it; not with a soft cap, which needs eager
+        attention)."""
         if meta.gpu_decode is not None:
             return False
         if meta.num_decodes and meta.decode_context_lens is None:
             return False
-        return not meta.prefills or meta.prefill_chunk_info is not None
+        if not meta.prefills:
+            return True
+        return meta.prefill_chunk_info is not None and (meta.prefill_kernel or not self.soft_cap)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,4 +114,4 @@ class CpuLayerStack:
                         meta.prefill_block_tables, meta.prefill_chunk_info, self.weights, self._k_caches,
                         self._v_caches, self.cos, self.sin, self.windows, meta.num_decodes, self.num_heads,
                         self.num_kv_heads, self.head_dim, self.eps, self.norm_offset, self.scale, self.soft_cap,
-                        self.small_batch_rows)
+                        self.small_batch_rows, not meta.prefill_kernel)

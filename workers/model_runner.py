@@ -128,7 +128,9 @@ class ModelRunner:
             table = torch.tensor(state.block_ids[: -(-context_len // bs)], dtype=torch.long, device=self.device)
             chunks.append(PrefillChunk(query_start, num, context_len, table, mask))
         prefill_info = prefill_tables = None
-        if chunks and self.cpu_prefill_attention:
+        # The chunk table goes with the CPU kernels in either case: the prefill kernel reads it,
+        # and the CPU layer stack runs a step only with it (SDPA per chunk from C++ otherwise).
+        if chunks and self.cpu_kernels:
             prefill_info = torch.tensor([[c.query_start, c.query_len, c.context_len] for c in chunks],
                                         dtype=torch.int32)
             rows = [state.block_ids[: -(-c.context_len // bs)] for (state, _), c in zip(prefills, chunks)]
@@ -143,6 +145,7 @@ class ModelRunner:
             decode_context_lens=decode_context_lens,
             prefill_chunk_info=prefill_info,
             prefill_block_tables=prefill_tables,
+            prefill_kernel=self.cpu_prefill_attention,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),

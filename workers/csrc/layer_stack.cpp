@@ -13,6 +13,7 @@
 //   residual, h = add_rms_norm(residual, x)        (layer 0: residual = x, h = rms_norm(x))
 //   q, k, v     = split(linear(h, qkv))            rotary_(q, k); reshape_and_cache(k, v)
 //   out         = paged_decode_attention(decodes) + paged_prefill_attention(prefill chunks)
+//                 (or, with prefill_sdpa, SDPA per chunk as the Python loop runs it)
 //   residual, h = add_rms_norm(residual, linear(out, o))
 //   x           = linear(silu_and_mul(linear(h, gate_up)), down)
 // and returns (x, residual) of the last layer; the model's final norm adds them.
@@ -112,6 +113,48 @@ at::Tensor project(const Ops& ops, const at::Tensor& x, const OptTensor& weight,
   return at::linear(x, *weight, bias);
 }
 
+// attention.paged_attention's SDPA loop over a step's prefill chunks, op for op (the path for
+// dtypes the prefill kernel does not serve: in bf16 torch's flash attention runs on AMX tiles
+// where this library's kernel computes in float32). A chunk at position 0 with no window inside
+// it attends to its own K/V, causal; any other gathers its context through its block table and
+// masks it (causal from its offset, and the window).
+void sdpa_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                  const at::Tensor& chunk_info, double scale, int64_t window) {
+  const auto info = chunk_info.accessor<int32_t, 2>();
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const bool gqa = q.size(1) != k.size(1);
+  for (int64_t c = 0; c < chunk_info.size(0); ++c) {
+    const int64_t s = info[c][0], n = info[c][1], context = info[c][2];
+    const at::Tensor qp = q.narrow(0, s, n).transpose(0, 1).unsqueeze(0);
+    const bool windowed = window > 0 && window < context;
+    at::Tensor op;
+    if (context == n && !windowed) {
+      op = at::scaled_dot_product_attention(qp, k.narrow(0, s, n).transpose(0, 1).unsqueeze(0),
+                                            v.narrow(0, s, n).transpose(0, 1).unsqueeze(0), std::nullopt, 0.0,
+                                            /*is_causal=*/true, scale, gqa);
+    } else {
+      const int64_t blocks = (context + block_size - 1) / block_size;
+      const at::Tensor table = block_tables[c].narrow(0, 0, blocks).to(at::kLong);
+      auto gather = [&](const at::Tensor& cache) {
+        return cache.index_select(0, table)
+            .reshape({blocks * block_size, kv_heads, head_dim})
+            .narrow(0, 0, context)
+            .transpose(0, 1)
+            .unsqueeze(0);
+      };
+      const auto idx = at::TensorOptions().dtype(at::kLong);
+      const at::Tensor keys = at::arange(context, idx).unsqueeze(0);
+      const at::Tensor p = at::arange(context - n, context, idx).unsqueeze(1);
+      at::Tensor mask = keys <= p;
+      if (windowed) mask = mask & (keys > p - window);
+      op = at::scaled_dot_product_attention(qp, gather(k_cache), gather(v_cache), mask, 0.0, /*is_causal=*/false,
+                                            scale, gqa);
+    }
+    out.narrow(0, s, n).copy_(op[0].transpose(0, 1));
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> layer_stack(
     const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& slot_mapping,
     const std::optional<at::Tensor>& decode_block_tables, const std::optional<at::Tensor>& decode_context_lens,
@@ -119,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     c10::List<std::optional<at::Tensor>> weights, at::TensorList k_caches, at::TensorList v_caches,
     const at::Tensor& cos, const at::Tensor& sin, c10::IntArrayRef sliding_windows, int64_t num_decodes,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double norm_offset, double scale,
-    double soft_cap, int64_t small_batch_rows) {
+    double soft_cap, int64_t small_batch_rows, bool prefill_sdpa) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(sliding_windows.size()) == layers &&
@@ -134,6 +177,8 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
   const bool chunks = num_decodes < tokens;
   TORCH_CHECK(!chunks || (prefill_block_tables.has_value() && prefill_chunks.has_value()),
               "layer_stack: prefill tokens need the prefill kernel's chunk table");
+  TORCH_CHECK(!(chunks && prefill_sdpa && soft_cap != 0.0),
+              "layer_stack: a soft cap needs the eager attention the Python loop runs (SDPA has no hook for it)");
   const Ops& ops = Ops::get();
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   auto slot = [&](int64_t layer, LayerSlot s) -> OptTensor { return weights.get(layer * kSlotsPerLayer + s); };
@@ -165,7 +210,10 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     if (num_decodes > 0)
       ops.decode_attention.call(out.narrow(0, 0, num_decodes), q.narrow(0, 0, num_decodes), k_cache, v_cache,
                                 *decode_block_tables, *decode_context_lens, scale, sliding_windows[layer], soft_cap);
-    if (chunks)
+    if (chunks && prefill_sdpa)
+      sdpa_prefill(out, q, k, v, k_cache, v_cache, *prefill_block_tables, *prefill_chunks, scale,
+                   sliding_windows[layer]);
+    else if (chunks)
       ops.prefill_attention.call(out, q, k_cache, v_cache, *prefill_block_tables, *prefill_chunks, scale,
                                  sliding_windows[layer], soft_cap);
     const at::Tensor attn = project(ops, out.view({tokens, q_size}), slot(layer, kOWeight), slot(layer, kOPacked),
@@ -189,7 +237,7 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
       "Tensor? decode_context_lens, Tensor? prefill_block_tables, Tensor? prefill_chunks, Tensor?[] weights, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, int[] sliding_windows, int num_decodes, "
       "int num_heads, int num_kv_heads, int head_dim, float eps, float norm_offset, float scale, float soft_cap, "
-      "int small_batch_rows) -> (Tensor, Tensor)",
+      "int small_batch_rows, bool prefill_sdpa) -> (Tensor, Tensor)",
       &layer_stack);
   m.def("layer_stack_slots_per_layer() -> int", &layer_stack_slots_per_layer);
 }
