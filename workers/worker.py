@@ -124,9 +124,13 @@ class WorkerCore:
     def _small_batch_rows(self) -> int:
         """Rows up to which projections take skinny_linear (0: off, or no such kernel here)."""
         cfg = self.config
-        if not (cfg.cpu_small_batch_linear and self.cpu_kernels and cfg.dtype == torch.float32):
+        if not (cfg.cpu_small_batch_linear and self.cpu_kernels):
             return 0
-        return int(cpu_ops.ops().skinny_linear_max_rows())
+        if cfg.dtype == torch.float32:
+            return int(cpu_ops.ops().skinny_linear_max_rows())
+        if cfg.dtype == torch.bfloat16:  # AVX512-BF16 builds only (0 elsewhere)
+            return int(cpu_ops.ops().skinny_linear_max_rows_bf16())
+        return 0
 
     def _cpu_prefill_attention(self) -> bool:
         """Whether prefill chunks take the kernels' flash attention: float32 only, where it was
