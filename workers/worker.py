@@ -54,8 +54,9 @@ class WorkerConfig:
     # CPU only: tpserve's own kernels for norms, rotary, SiLU, KV write and decode attention
     # (workers/cpu_ops.py), where they build on this machine.
     cpu_kernels: bool = True
-    # CPU, float32, with prepacking and the kernels: batches of up to 48 rows run the kernels'
-    # skinny_linear on a kept plain copy of each weight (workers/cpu_linear.py).
+    # CPU, with prepacking and the kernels: batches of up to 48 rows (float32) or 8 (bf16, with
+    # AVX512-BF16) run the kernels' skinny_linear on a kept plain copy of each weight
+    # (workers/cpu_linear.py).
     cpu_small_batch_linear: bool = True
     # CPU, float32, with the kernels: prefill chunks through the kernels' flash attention over
     # the paged cache (workers/csrc/prefill_attention.cpp) instead of torch's SDPA.
