@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -28,6 +29,22 @@
 #endif
 
 namespace {
+
+// f(std::integral_constant<int, M>()) for M = 1..8 (8 for more: the callers' limit), so that each
+// row count runs its own fully unrolled loop.
+template <typename F>
+inline void for_rows(int64_t M, F&& f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    default: f(std::integral_constant<int, 8>()); break;
+  }
+}
 
 #if defined(TPSERVE_SKINNY_AVX2)
 // Rows up to which skinny_linear beats the packed GEMM (measured; see the header).
@@ -89,16 +106,7 @@ void one_pass(const float* x, int64_t x_stride, const float* w, int64_t K, const
 
 void one_pass_any(int64_t M, const float* x, int64_t x_stride, const float* w, int64_t K, const float* bias,
                   float* y, int64_t y_stride, int64_t n0, int64_t n1) {
-  switch (M) {
-    case 1: one_pass<1>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 2: one_pass<2>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 3: one_pass<3>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 4: one_pass<4>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 5: one_pass<5>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 6: one_pass<6>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 7: one_pass<7>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    default: one_pass<8>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-  }
+  for_rows(M, [&](auto rows) { one_pass<decltype(rows)::value>(x, x_stride, w, K, bias, y, y_stride, n0, n1); });
 }
 
 // R weight rows against all M x rows, kTileX at a time (the R rows stay in L1 between tiles).
@@ -203,16 +211,7 @@ void one_pass_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64
 
 void one_pass_any_bf16(int64_t M, const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t K,
                        const float* bias, c10::BFloat16* y, int64_t y_stride, int64_t n0, int64_t n1) {
-  switch (M) {
-    case 1: one_pass_bf16<1>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 2: one_pass_bf16<2>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 3: one_pass_bf16<3>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 4: one_pass_bf16<4>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 5: one_pass_bf16<5>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 6: one_pass_bf16<6>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    case 7: one_pass_bf16<7>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-    default: one_pass_bf16<8>(x, x_stride, w, K, bias, y, y_stride, n0, n1); break;
-  }
+  for_rows(M, [&](auto rows) { one_pass_bf16<decltype(rows)::value>(x, x_stride, w, K, bias, y, y_stride, n0, n1); });
 }
 
 #else
