@@ -103,9 +103,42 @@ def test_prefill_kernel_matches_the_sdpa_path(dtype, head_dim, heads, kv_heads, 
 
 @pytest.mark.parametrize("window,soft_cap", [(20, None), (64, None), (None, 30.0), (37, 30.0)])
 @pytest.mark.parametrize("head_dim", [64, 48])
-def test_prefill_kernel_matches_the_sdpa_path_with_windows_and_soft_caps(window, soft_cap, head_dim):
-    reference, kernel = _both_paths(torch.float32, 6, 2, head_dim, [(150, 150), (40, 250), (3, 90)], window, soft_cap)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_matches_the_sdpa_path_with_windows_and_soft_caps(window, soft_cap, head_dim, dtype):
+    # bf16 without a soft cap: the SDPA path pads rows (attention.SDPA_ROW_ALIGN), masks included.
+    reference, kernel = _both_paths(dtype, 6, 2, head_dim, [(150, 150), (40, 250), (3, 90)], window, soft_cap)
     _assert_close(kernel, reference)
+
+
+@pytest.mark.parametrize("chunks", [[(466, 466)], [(3, 3), (457, 457)], [(200, 466), (31, 95)], [(33, 33)]],
+                         ids=["causal466", "causal3+457", "after-context", "one-past-align"])
+def test_bf16_sdpa_path_pads_rows_and_matches_unpadded_sdpa(chunks):
+    """bf16 on CPU: the SDPA path pads each chunk's query and key rows to a multiple of
+    SDPA_ROW_ALIGN (torch's flash attention is 2-3x slower at some lengths). Real queries must
+    see exactly their own keys: the result is within rounding of SDPA on the unpadded rows."""
+    import torch.nn.functional as F
+
+    from workers.attention import SDPA_ROW_ALIGN, gather_blocks, sdpa_rows
+
+    assert any(sdpa_rows(n) != n for n, _ in chunks) and sdpa_rows(SDPA_ROW_ALIGN) == SDPA_ROW_ALIGN
+    q, k, v, k_cache, v_cache, meta = _step(torch.bfloat16, 9, 3, 64, chunks)
+    # Values around 8, not 0: a padded (zero) key that a real query saw would take its share of
+    # the softmax and pull the output toward 0 by far more than the one bf16 ulp (1/16 at 8) of
+    # rounding the two calls may differ by.
+    v += 8
+    v_cache += 8
+    scale = 64 ** -0.5
+    padded = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta(False), scale)
+    written_k, written_v = k_cache.clone(), v_cache.clone()
+    paged_attention(q, k, v, written_k, written_v, meta(False), scale)  # the caches as the step left them
+    for chunk in meta(False).prefills:
+        s, n, context = chunk.query_start, chunk.query_len, chunk.context_len
+        keys = gather_blocks(written_k, chunk.block_table)[:context].transpose(0, 1)[None]
+        values = gather_blocks(written_v, chunk.block_table)[:context].transpose(0, 1)[None]
+        mask = torch.arange(context)[None, :] <= torch.arange(context - n, context)[:, None]
+        expected = F.scaled_dot_product_attention(q[s : s + n].transpose(0, 1)[None], keys, values, attn_mask=mask,
+                                                  scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(padded[s : s + n].view(n, 9, 64).float(), expected.float(), rtol=0, atol=0.07)
 
 
 def test_prefill_kernel_reads_a_head_major_cache_as_it_reads_a_token_major_one():
