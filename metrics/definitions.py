@@ -178,6 +178,21 @@ def make_buckets(kind: BucketsKind, max_num_batched_tokens: int, max_model_len: 
     raise ValueError(f"unknown bucket kind {kind!r}")
 
 
+# Ray's export keeps one set of boundaries per histogram name for the whole node: its metrics
+# agent takes the first process's and fails every later Export whose bucket count differs
+# ("Number of bucket counts and midpoints must match", Ray 2.58's OpenTelemetry recorder), which
+# drops all of that process's metrics, counters and gauges too. So two deployments with other
+# budgets on one node (or a driver's engine beside a replica) would vanish from Ray's export.
+# Token histograms exported through Ray therefore span a fixed range, whatever the engine's
+# budgets; /metrics keeps the engine's own (make_buckets).
+RAY_TOKEN_BUCKET_MAX = 1_000_000
+
+
+def node_wide_buckets(kind: BucketsKind) -> list[float]:
+    """Boundaries of a histogram of bucket kind `kind` in Ray's export: the same in every process."""
+    return make_buckets(kind, RAY_TOKEN_BUCKET_MAX, RAY_TOKEN_BUCKET_MAX)
+
+
 def normalize_finished_reason(finished_reason: str) -> str:
     """The bounded label value of a finish reason: "stop", "length", else "abort" (client gone or error)."""
     return finished_reason if finished_reason in FINISHED_REASONS else "abort"

@@ -8,6 +8,10 @@ metrics port in tests/test_metrics_exporters.py):
   (a Counter whose name lacks `_total` gets one appended), so the names are passed unchanged;
 - Ray adds its own tags (Component, NodeAddress, SessionName, Version, WorkerId) next to
   `model_name`; Serve replicas are told apart by WorkerId;
+- a histogram's boundaries are the node's, not the process's: the first process to export a name
+  sets them and Ray's agent refuses (whole) exports with another bucket count, so token
+  histograms here span 1 to RAY_TOKEN_BUCKET_MAX in every process (metrics/definitions.py), while
+  /metrics spans 1 to the engine's own budget / max_model_len;
 - a histogram's `_sum` is approximate: Ray ships bucket counts from the worker and rebuilds the
   sum from bucket midpoints. Bucket counts and `_count` are exact; use the Prometheus endpoint
   of the replica for exact sums;
@@ -22,14 +26,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from metrics.definitions import METRIC_DEFINITIONS, MODEL_NAME_LABEL, MetricDefinition, make_buckets
+from metrics.definitions import METRIC_DEFINITIONS, MODEL_NAME_LABEL, MetricDefinition, node_wide_buckets
 from metrics.exporter import MetricsExporter, NoLabels
 
 
 class RayStatLogger(MetricsExporter):
     """Exports METRIC_DEFINITIONS through ray.util.metrics (same names, descriptions, buckets, tags)."""
 
-    def __init__(self, model_name: str, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, model_name: str):
         import ray
         from ray.util import metrics as ray_metrics
 
@@ -39,11 +43,11 @@ class RayStatLogger(MetricsExporter):
         self._ray_metrics = ray_metrics
         # Ray metric objects by name (the scraped name is "ray_" + name).
         self.metrics: dict[str, Any] = {
-            definition.name: self._make_metric(definition, max_num_batched_tokens, max_model_len)
+            definition.name: self._make_metric(definition)
             for definition in METRIC_DEFINITIONS
         }
 
-    def _make_metric(self, definition: MetricDefinition, max_num_batched_tokens: int, max_model_len: int) -> Any:
+    def _make_metric(self, definition: MetricDefinition) -> Any:
         common = dict(
             name=definition.name,
             description=definition.documentation,
@@ -55,7 +59,8 @@ class RayStatLogger(MetricsExporter):
             metric = self._ray_metrics.Counter(**common)
         elif definition.kind == "histogram":
             assert definition.buckets is not None, definition.name
-            boundaries = make_buckets(definition.buckets, max_num_batched_tokens, max_model_len)
+            # Not the engine's budgets: Ray holds one boundary set per name per node.
+            boundaries = node_wide_buckets(definition.buckets)
             metric = self._ray_metrics.Histogram(**common, boundaries=boundaries)
         else:
             raise ValueError(f"unknown metric kind {definition.kind!r}")

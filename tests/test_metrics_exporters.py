@@ -260,7 +260,7 @@ def test_ray_logger_needs_a_connected_process():
     if ray.is_initialized():
         pytest.skip("Ray already initialized in this process")
     with pytest.raises(RuntimeError):
-        RayStatLogger(MODEL, 512, 512)
+        RayStatLogger(MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,7 @@ def ray_metrics_port():
 
 
 def test_ray_exports_the_same_names_with_ray_prefix(ray_metrics_port):
-    logger = RayStatLogger(MODEL, max_num_batched_tokens=512, max_model_len=512)
+    logger = RayStatLogger(MODEL)
     assert set(logger.metrics) == SPEC_NAMES
     logger.log_cache_config(INFO)
     logger.record(STEP)
@@ -313,3 +313,43 @@ def test_ray_exports_the_same_names_with_ray_prefix(ray_metrics_port):
     for name in sample_names:
         for sample in samples[name]:
             assert sample.labels.get("model_name") == MODEL
+
+
+
+def test_processes_with_other_budgets_all_reach_ray_s_export(ray_metrics_port):
+    """Ray's metrics agent keeps the first process's histogram boundaries per name and refuses a
+    later process's whole export if its bucket count differs: two deployments with other budgets
+    on one node (here this driver and an actor) must both be exported, counters and histograms."""
+    import ray
+
+    def export(model_name: str, max_num_batched_tokens: int, max_model_len: int) -> None:
+        """A replica's Ray export as make_stat_loggers builds it: one step and one finished request
+        (defined here so that Ray ships it by value: the worker cannot import this test module)."""
+        from deployments.config import TpserveConfig
+        from deployments.engine.engine_metrics import make_stat_loggers
+
+        config = TpserveConfig(max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        loggers = make_stat_loggers(model_name, config, max_model_len)
+        (ray_logger,) = [s for s in loggers if type(s).__name__ == "RayStatLogger"]
+        ray_logger.record(step)
+        ray_logger.record_finished(finished)
+
+    step, finished = STEP, FINISHED
+    export("driver-model", 512, 512)
+    ray.get(ray.remote(num_cpus=0)(export).remote("actor-model", 2048, 4096))
+
+    def by_model(text: str, name: str) -> dict[str, float]:
+        return {s.labels["model_name"]: s.value for s in samples_by_name(text).get(name, [])
+                if s.labels.get("model_name") in ("driver-model", "actor-model")}
+
+    deadline = time.monotonic() + 60
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{ray_metrics_port}/metrics", timeout=5).read().decode()
+        generated = by_model(text, "ray_tpserve_generation_tokens_total")
+        ttft_counts = by_model(text, "ray_tpserve_time_to_first_token_seconds_count")
+        prompt_counts = by_model(text, "ray_tpserve_request_prompt_tokens_count")
+        if len(generated) == len(ttft_counts) == len(prompt_counts) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert generated == {"driver-model": 3, "actor-model": 3}
+    assert ttft_counts == prompt_counts == {"driver-model": 1, "actor-model": 1}

@@ -64,7 +64,7 @@ def make_stat_loggers(model_name: str, config: TpserveConfig, max_model_len: int
         if ray.is_initialized():
             from metrics.ray_logger import RayStatLogger
 
-            loggers.append(RayStatLogger(model_name, config.max_num_batched_tokens, max_model_len))
+            loggers.append(RayStatLogger(model_name))
     except Exception:  # noqa: BLE001 - metrics export must never stop the server
         logger.warning("Ray metrics export disabled", exc_info=True)
     return loggers
