@@ -135,8 +135,8 @@ at::Tensor sdpa_layout(const at::Tensor& x, int64_t rows) {
 // where this library's kernel computes in float32). A chunk at position 0 with no window inside
 // it attends to its own K/V, causal; any other gathers its context through its block table and
 // masks it (causal from its offset, and the window). Padded keys come after the context and
-// padded queries after the chunk (each taking the last real query's position), so no real query
-// sees a padded key and causal masking stays exact.
+// padded queries after the chunk (in the masked form each takes the last real query's position),
+// so no real query sees a padded key: its result is the unpadded call's up to rounding.
 void sdpa_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& chunk_info, double scale, int64_t window) {
