@@ -315,7 +315,6 @@ def test_ray_exports_the_same_names_with_ray_prefix(ray_metrics_port):
             assert sample.labels.get("model_name") == MODEL
 
 
-
 def test_processes_with_other_budgets_all_reach_ray_s_export(ray_metrics_port):
     """Ray's metrics agent keeps the first process's histogram boundaries per name and refuses a
     later process's whole export if its bucket count differs: two deployments with other budgets

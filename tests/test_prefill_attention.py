@@ -128,9 +128,8 @@ def test_bf16_sdpa_path_pads_rows_and_matches_unpadded_sdpa(chunks):
     v += 8
     v_cache += 8
     scale = 64 ** -0.5
-    padded = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta(False), scale)
-    written_k, written_v = k_cache.clone(), v_cache.clone()
-    paged_attention(q, k, v, written_k, written_v, meta(False), scale)  # the caches as the step left them
+    written_k, written_v = k_cache.clone(), v_cache.clone()  # the caches as the step leaves them
+    padded = paged_attention(q, k, v, written_k, written_v, meta(False), scale)
     for chunk in meta(False).prefills:
         s, n, context = chunk.query_start, chunk.query_len, chunk.context_len
         keys = gather_blocks(written_k, chunk.block_table)[:context].transpose(0, 1)[None]

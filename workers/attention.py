@@ -59,8 +59,9 @@ class AttentionMetadata:
     # Decode-only GPU steps (graph runner): the graph-safe decode kernel and its static
     # addressing; the decode_* fields above are then unused. None on CPU and for mixed steps.
     gpu_decode: DecodeAttention | None = None
-    # Sliding-window variants of the masks, built by the first layer that needs them this step
-    # and reused by the others: (kind, window) -> mask.
+    # Masks built by the first layer that needs them this step and reused by the others:
+    # ("decode", window) -> the windowed decode mask; ("prefill", query_start, window) -> a
+    # chunk's windowed and/or padded SDPA mask.
     window_masks: dict = field(default_factory=dict)
     # [num_decodes] int32 context lengths: set, decodes go through the CPU paged-attention kernel,
     # which reads each context's blocks in place (workers/cpu_ops.py).
@@ -238,9 +239,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vp = _sdpa_layout(gather_blocks(v_cache, chunk.block_table)[: chunk.context_len], keys_len)
             mask = chunk.mask
             if windowed or pad:
-                # A padded query row takes the last real row's position: its mask is never empty.
-                positions = torch.arange(chunk.context_len - n, chunk.context_len - n + rows, device=q.device)
-                mask = window_mask(positions.clamp_max(chunk.context_len - 1), keys_len, sliding_window)
+                # Built by the first layer that needs it this step, reused by the others.
+                key = ("prefill", s, sliding_window)
+                mask = meta.window_masks.get(key)
+                if mask is None:
+                    # A padded query row takes the last real row's position: its mask is never empty.
+                    positions = torch.arange(chunk.context_len - n, chunk.context_len - n + rows, device=q.device)
+                    mask = window_mask(positions.clamp_max(chunk.context_len - 1), keys_len, sliding_window)
+                    meta.window_masks[key] = mask
             op = attend(qp, kp, vp, mask, scale, soft_cap)
         out[s : s + n] = op[0, :, :n].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)

@@ -113,11 +113,9 @@ at::Tensor project(const Ops& ops, const at::Tensor& x, const OptTensor& weight,
   return at::linear(x, *weight, bias);
 }
 
-// Query and key rows of a bf16/fp16 SDPA call are padded to a multiple of this: torch 2.13's CPU
-// flash attention is 2-3x slower at some lengths than at the next multiple of 16 (one layer of
-// the default model, causal over 466 tokens: 6.1 ms; padded to 480: 1.9 ms, 2-core Xeon, AMX).
-// attention.py's SDPA_ROW_ALIGN is the same number, and the padding is built the same way, so
-// both paths keep calling SDPA on identical tensors.
+// Query and key rows of a bf16/fp16 SDPA call are padded to a multiple of this, for the reason
+// and with the numbers attention.py's SDPA_ROW_ALIGN gives; the padding is built the same way
+// there, so both paths keep calling SDPA on identical tensors.
 constexpr int64_t kSdpaRowAlign = 32;
 
 int64_t sdpa_rows(int64_t rows, bool pad) {
