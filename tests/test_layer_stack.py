@@ -1,9 +1,9 @@
 """The CPU layer stack (workers/layer_stack.py, workers/csrc/layer_stack.cpp): the decoder's layer
 loop as one call into the kernels must give bit-identical hidden states to the Python loop it
 replaces, on every step an engine runs: decode-only steps, chunked prefills after cached context
-and prefix-cache hits, decode batches on skinny_linear (<= 48 rows) and on the packed GEMM (more),
-with skinny_linear off, without prepacking (at::linear), with biases on every projection, with
-sliding windows, and in bf16 (where prefill chunks keep SDPA, called per chunk from C++). Models it
+and prefix-cache hits, decode batches on the small-batch kernel (skinny_linear <= 48 rows, bf16
+amx_linear <= 64) and on the packed GEMM (more), with skinny_linear off, without prepacking
+(at::linear), with biases on every projection, with sliding windows, and in bf16 (where prefill chunks keep SDPA, called per chunk from C++). Models it
 cannot serve (sandwich norms, q/k norms) keep the Python loop, and the op refuses inputs that do
 not describe the layers it is given."""
 
@@ -35,8 +35,8 @@ class StackVsLoop:
         self.forward = model.forward
         # Steps the stack ran, by kind.
         self.decode_only = self.mixed = self.fallback = 0
-        # The largest decode-only batch the stack ran.
-        self.max_decode_rows = 0
+        # The rows of every decode-only batch the stack ran.
+        self.decode_rows: list[int] = []
         model.forward = self
 
     def __call__(self, input_ids, positions, kv_caches, meta):
@@ -47,7 +47,7 @@ class StackVsLoop:
             self.mixed += 1
         else:
             self.decode_only += 1
-            self.max_decode_rows = max(self.max_decode_rows, input_ids.shape[0])
+            self.decode_rows.append(input_ids.shape[0])
         stacked = self.forward(input_ids, positions, kv_caches, meta)
         self.model.layer_stack = None
         try:
@@ -57,6 +57,10 @@ class StackVsLoop:
         assert stacked.dtype == looped.dtype and torch.equal(stacked, looped), (
             f"layer stack differs from the loop by {(stacked.float() - looped.float()).abs().max()}")
         return stacked
+
+    @property
+    def max_decode_rows(self) -> int:
+        return max(self.decode_rows, default=0)
 
 
 def _workload(num_requests: int, shared: int = 40, max_tokens: int = 6) -> dict:
@@ -88,6 +92,18 @@ def test_stack_equals_the_python_loop_on_every_step(tmp_path, overrides):
     assert check.decode_only >= 3 and check.mixed >= 3 and check.fallback == 0
     assert check.max_decode_rows == 56  # all 56 at once: above skinny_linear's 48 rows
     assert all(len(tokens) == 24 for tokens in outputs.values())
+
+
+def test_bf16_stack_on_small_batch_and_packed_decode_steps(tmp_path):
+    """bf16, 72 requests finishing one group after another: decode steps of 72 rows take the packed
+    GEMM, of at most 64 the small-batch kernel (amx_linear where the CPU has AMX, else
+    skinny_linear up to 8); every step bit-identical."""
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, head_dim=64, num_heads=6, num_kv_heads=2)
+    requests = {f"w{i}": (list(range(300 + 8 * i, 308 + 8 * i)), greedy(20 + i % 18)) for i in range(72)}
+    check, outputs = _run(path, requests, dtype="bfloat16", max_num_seqs=96, max_num_batched_tokens=96)
+    assert check.fallback == 0 and check.max_decode_rows == 72
+    assert min(check.decode_rows) <= 8
+    assert [len(outputs[f"w{i}"]) for i in range(72)] == [20 + i % 18 for i in range(72)]
 
 
 def _llama_with_biases(folder: Path) -> str:

@@ -61,19 +61,16 @@ def test_skinny_linear_takes_strided_rows_and_refuses_what_it_cannot_do():
         torch.ops.tpserve_cpu.skinny_linear(torch.randn(2, 47), w, None)
 
 
-def test_linear_sends_only_small_batches_to_the_plain_weight():
-    """linear() with small_batch_rows: up to that many rows read the plain weight (proved by
-    handing it a plain weight that differs from the packed one), more rows the packed GEMM."""
+def test_linear_sends_only_small_batches_to_the_small_batch_weight():
+    """linear() with small_batch_rows: up to that many rows read the small-batch weight (proved
+    by handing it one that differs from the packed one), more rows the packed GEMM."""
     torch.manual_seed(1)
     w, other = torch.randn(32, 24), torch.randn(32, 24)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
     four, five = torch.randn(4, 24), torch.randn(5, 24)
-    torch.testing.assert_close(linear(four, other, None, packed, small_batch_rows=4), F.linear(four, other),
-                               rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(linear(five, other, None, packed, small_batch_rows=4), F.linear(five, w),
-                               rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(linear(four, other, None, packed, small_batch_rows=0), F.linear(four, w),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(four, w, None, packed, 4, other), F.linear(four, other), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(five, w, None, packed, 4, other), F.linear(five, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(four, w, None, packed, 0, other), F.linear(four, w), rtol=1e-5, atol=1e-4)
 
 
 def test_prepack_keeps_plain_weights_for_small_batches(tmp_path):
@@ -85,6 +82,7 @@ def test_prepack_keeps_plain_weights_for_small_batches(tmp_path):
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
     assert all(m.small_batch_rows == MAX_ROWS and m.packed_weight is not None for m in layers)
     assert torch.equal(model.layers[0].mlp.down_proj.weight, down), "the plain copy must be kept"
+    assert all(m.small_batch_weight.data_ptr() == m.weight.data_ptr() for m in layers), "and read, not copied"
 
 
 def test_engine_tokens_are_the_same_with_and_without_the_small_batch_kernel(tmp_path):
@@ -141,16 +139,21 @@ def test_bf16_skinny_linear_takes_strided_rows_and_refuses_more_rows():
 
 
 def test_bfloat16_engines_take_the_bf16_kernel_where_it_was_built(tmp_path):
-    """A bf16 engine keeps the plain weights for the bf16 kernel's row counts where the kernels
-    have it (AVX512-BF16), and no second copy elsewhere; its greedy tokens equal the packed
-    GEMM's either way (random tiny model: no near-ties to flip)."""
+    """A bf16 engine gives its small batches amx_linear on AMX tile copies where the CPU has AMX,
+    else skinny_linear on the plain weights where it has AVX512-BF16, and keeps no second copy
+    elsewhere; its greedy tokens equal the packed GEMM's either way (random tiny model: no
+    near-ties to flip)."""
     if not can_prepack(torch.device("cpu"), torch.bfloat16):
         pytest.skip("this CPU's oneDNN has no bf16 GEMM (no AVX512-BF16/AMX)")
+    amx_rows = int(cpu_ops.ops().amx_linear_max_rows())
     path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=True)
     engines = [make_engine(path, dtype="bfloat16", cpu_small_batch_linear=on) for on in (False, True)]
-    rows = [{m.small_batch_rows for m in e.executor.worker.model.modules() if hasattr(m, "packed_weight")}
-            for e in engines]
-    assert rows == [{0}, {MAX_ROWS_BF16}]
+    layers = [[m for m in e.executor.worker.model.modules() if hasattr(m, "packed_weight")] for e in engines]
+    rows = [{m.small_batch_rows for m in group} for group in layers]
+    assert rows == [{0}, {amx_rows or MAX_ROWS_BF16}]
+    assert all(m.small_batch_weight is None for m in layers[0])
+    kernel_weights = {None if m.small_batch_weight is None else m.small_batch_weight.dim() for m in layers[1]}
+    assert kernel_weights == ({4} if amx_rows else {2} if MAX_ROWS_BF16 else {None})
     prompts = {f"r{i}": (list(range(3 + i, 40 + 7 * i)), greedy(12)) for i in range(4)}
     outputs = [run_engine(e, prompts) for e in engines]
     assert outputs[0] == outputs[1]

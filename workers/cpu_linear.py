@@ -10,18 +10,20 @@ order). Checked in tests/test_cpu_linear.py, with an engine's greedy tokens equa
 
 A layer holds `packed_weight` (None = plain `F.linear`); `linear()` dispatches on it.
 
-Few rows (a decode step at low concurrency, float32) go to tpserve's `skinny_linear` kernel
-instead (workers/csrc/skinny_linear.cpp) on the plain weight: 1-8 rows are bound by how fast the
-weights stream from memory, which oneDNN's GEMM does at about two thirds of the speed that kernel
-reaches (1.3-1.5x slower, measured on a 2-core AMD EPYC over the default model's projections), and
-9-48 rows by FMAs, where its register tiles beat oneDNN by 1.05-1.16x. That costs a second copy
-of each projection weight (the plain one is kept beside the packed one; an LM head tied to the
-embedding shares the table it already keeps):
-`small_batch_rows` on the layer says up to how many rows (0 = never, and no second copy).
-In bf16 the same kernel has a one-pass loop of AVX512-BF16 dot products for 1-8 rows, where
-oneDNN (on AMX on a Xeon) streamed the weights at 7-11 GB/s against a plain read's 14: an
-in-process bf16 decode step of the default model went 39.1 -> 24.0 ms at 1 request, 36.0 -> 25.8
-at 4, 40.7 -> 34.4 at 8 on a 2-core Xeon; above 8 rows AMX wins.
+Few rows (a decode step at low concurrency) go to one of tpserve's kernels instead, on the
+layer's `small_batch_weight`, up to `small_batch_rows` rows (0 = never, and no such weight):
+- float32: `skinny_linear` (workers/csrc/skinny_linear.cpp) on the plain weight. 1-8 rows are
+  bound by how fast the weights stream from memory, which oneDNN's GEMM does at about two thirds
+  of the speed that kernel reaches (1.3-1.5x slower, measured on a 2-core AMD EPYC over the
+  default model's projections), and 9-48 rows by FMAs, where its register tiles beat oneDNN by
+  1.05-1.16x. That costs a second copy of each projection weight (the plain one is kept beside
+  the packed one; an LM head tied to the embedding shares the table it already keeps).
+- bf16 with AMX (a Xeon since Sapphire Rapids): `amx_linear` (workers/csrc/amx_linear.cpp) on a
+  copy of the weight in AMX tile order, 1-64 rows: 1.3-1.9x oneDNN's speed at 1-32 rows, 1.0-1.2x
+  at 48-64 (the file says how); the plain weight is then dropped like in the packed-only case.
+- bf16 with AVX512-BF16 but no AMX: `skinny_linear`'s one-pass loop of AVX512-BF16 dot products
+  on the plain weight for 1-8 rows (on a Xeon, before amx_linear, it took an in-process decode
+  step of the default model from 39.1 to 24.0 ms at 1 request, 36.0 to 25.8 at 4).
 """
 
 from __future__ import annotations
@@ -40,12 +42,21 @@ PACK_BATCH_HINT = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed_weight: torch.Tensor | None, small_batch_rows: int = 0) -> torch.Tensor:
+           packed_weight: torch.Tensor | None, small_batch_rows: int = 0,
+           small_batch_weight: torch.Tensor | None = None) -> torch.Tensor:
     if packed_weight is None:
         return F.linear(x, weight, bias)
-    if x.dim() == 2 and 0 < x.size(0) <= small_batch_rows:
-        return torch.ops.tpserve_cpu.skinny_linear(x, weight, bias)
+    if small_batch_weight is not None and x.dim() == 2 and 0 < x.size(0) <= small_batch_rows:
+        return small_batch_linear(x, small_batch_weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def small_batch_linear(x: torch.Tensor, small_batch_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel the small-batch weight is laid out for: AMX tile order is 4-D
+    ([N/16, K/32, 16, 32], amx_linear), a plain weight 2-D (skinny_linear)."""
+    if small_batch_weight.dim() == 4:
+        return torch.ops.tpserve_cpu.amx_linear(x, small_batch_weight, bias)
+    return torch.ops.tpserve_cpu.skinny_linear(x, small_batch_weight, bias)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -57,31 +68,42 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def prepack_linears(model: nn.Module, small_batch_rows: int = 0) -> int:
+def prepack_linears(model: nn.Module, small_batch_rows: int = 0, amx: bool = False) -> int:
     """Pack the weight of every layer that has a `packed_weight` slot; returns how many.
 
-    small_batch_rows > 0 (float32 or, with AVX512-BF16, bf16 weights, tpserve's CPU kernels loaded:
-    the caller checks): batches
-    of up to that many rows run `skinny_linear` on the plain weight, which is then kept. Otherwise a
-    weight no other module uses is dropped (the packed copy replaces it); one that is shared (an LM
-    head tied to the embedding table) is kept for its other user."""
+    small_batch_rows > 0 (tpserve's CPU kernels loaded, the dtype one of theirs: the caller
+    checks): batches of up to that many rows run a small-batch kernel on `small_batch_weight`:
+    with `amx` (bf16 weights on a CPU with AMX) a copy in AMX tile order for amx_linear, else the
+    plain weight for skinny_linear, which is then kept. A weight no small-batch kernel reads and no
+    other module uses is dropped (the packed copy replaces it); one that is shared (an LM head tied
+    to the embedding table) is kept for its other user."""
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
     packable_ids = {id(m) for m in layers}
     shared = {p.data_ptr() for m in model.modules() if id(m) not in packable_ids
               for p in m.parameters(recurse=False)}
-    second_copy_bytes = 0
+    extra_bytes = 0
     for layer in layers:
         weight = layer.weight
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         layer.small_batch_rows = small_batch_rows
-        if weight.data_ptr() in shared:
-            continue
-        if small_batch_rows > 0:
-            second_copy_bytes += weight.numel() * weight.element_size()
-        else:
+        if small_batch_rows > 0 and amx:
+            layer.small_batch_weight = torch.ops.tpserve_cpu.amx_pack_weight(weight.detach())
+            extra_bytes += layer.small_batch_weight.numel() * layer.small_batch_weight.element_size()
+        elif small_batch_rows > 0:
+            layer.small_batch_weight = weight.detach()
+            if weight.data_ptr() not in shared:
+                extra_bytes += weight.numel() * weight.element_size()
+        if weight.data_ptr() not in shared and (small_batch_rows == 0 or amx):
             # Keep the parameter (its dtype and name stay visible) but free its storage.
             weight.data = torch.empty(0, dtype=weight.dtype)
-    if second_copy_bytes:
-        logger.info("kept the plain projection weights beside the packed ones for batches of up to %d rows "
-                    "(skinny_linear): %.0f MiB more", small_batch_rows, second_copy_bytes / 2**20)
+    if extra_bytes:
+        logger.info("kept a copy of each projection weight beside the packed one for batches of up to %d rows "
+                    "(%s): %.0f MiB more", small_batch_rows, "amx_linear" if amx else "skinny_linear",
+                    extra_bytes / 2**20)
     return len(layers)
+
+
+def amx_packable(model: nn.Module) -> bool:
+    """Whether amx_pack_weight takes every projection of the model: output features a multiple
+    of 16 (all the supported models' are, TP shards included)."""
+    return all(m.weight.size(0) % 16 == 0 for m in model.modules() if hasattr(m, "packed_weight"))

@@ -28,7 +28,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / name for name in ("cpu_ops.cpp", "prefill_attention.cpp", "skinny_linear.cpp", "layer_stack.cpp")]
+SOURCES = [_CSRC / name for name in ("cpu_ops.cpp", "prefill_attention.cpp", "skinny_linear.cpp", "amx_linear.cpp",
+                                          "layer_stack.cpp")]
 # Headers the sources include: torch's builder does not hash them, so extension_name does.
 HEADERS = [_CSRC / "vec.h"]
 # Extension (and library) name prefix; the ops register under torch.ops.tpserve_cpu.

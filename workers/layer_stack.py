@@ -71,17 +71,17 @@ class CpuLayerStack:
         self.soft_cap = attn.soft_cap or 0.0
         self.cos, self.sin = attn.rotary.cos, attn.rotary.sin
         self.windows = [layer.self_attn.sliding_window or 0 for layer in model.layers]
-        # Rows up to which projections take skinny_linear (every linear of a model shares it).
+        # Rows up to which projections take their small-batch kernel (every linear of a model shares it).
         self.small_batch_rows = attn.qkv_proj.small_batch_rows
         self.weights: list[torch.Tensor | None] = []
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.weights += [layer.input_layernorm.weight]
             for linear in (a.qkv_proj, a.o_proj):
-                self.weights += [linear.weight, linear.packed_weight, linear.bias]
+                self.weights += [linear.weight, linear.packed_weight, linear.small_batch_weight, linear.bias]
             self.weights += [layer.post_attention_layernorm.weight]
             for linear in (mlp.gate_up_proj, mlp.down_proj):
-                self.weights += [linear.weight, linear.packed_weight, linear.bias]
+                self.weights += [linear.weight, linear.packed_weight, linear.small_batch_weight, linear.bias]
         slots = int(ops.layer_stack_slots_per_layer())
         if len(self.weights) != slots * len(model.layers):
             raise AssertionError(f"layer_stack reads {slots} tensors per layer; {len(self.weights) // len(model.layers)} built")

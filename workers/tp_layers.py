@@ -50,8 +50,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(sum(self.local_sizes), dtype=dtype), requires_grad=False) if bias else None
         # The weight prepacked for oneDNN on CPU (workers/cpu_linear.py); None = F.linear.
         self.packed_weight: torch.Tensor | None = None
-        # Batches of up to this many rows take the plain weight through skinny_linear (0 = never).
+        # Batches of up to this many rows take a small-batch kernel on small_batch_weight (0 = never).
         self.small_batch_rows = 0
+        # The weight as that kernel reads it (workers/cpu_linear.py): the plain one, or an AMX copy.
+        self.small_batch_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int = 0) -> None:
         local = self.local_sizes[shard_id]
@@ -60,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + local].copy_(_as_tensor(loaded[start : start + local]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.small_batch_rows)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.small_batch_rows, self.small_batch_weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -115,8 +117,10 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False) if bias else None
         # The weight prepacked for oneDNN on CPU (workers/cpu_linear.py); None = F.linear.
         self.packed_weight: torch.Tensor | None = None
-        # Batches of up to this many rows take the plain weight through skinny_linear (0 = never).
+        # Batches of up to this many rows take a small-batch kernel on small_batch_weight (0 = never).
         self.small_batch_rows = 0
+        # The weight as that kernel reads it (workers/cpu_linear.py): the plain one, or an AMX copy.
+        self.small_batch_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int = 0) -> None:
         if param is self.bias:
@@ -126,7 +130,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_as_tensor(loaded[:, start : start + self.local_input]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight, self.small_batch_rows))
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed_weight, self.small_batch_rows, self.small_batch_weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -168,11 +172,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, tp, dtype)
         # The weight prepacked for oneDNN on CPU (workers/cpu_linear.py); None = F.linear.
         self.packed_weight: torch.Tensor | None = None
-        # Batches of up to this many rows take the plain weight through skinny_linear (0 = never).
+        # Batches of up to this many rows take a small-batch kernel on small_batch_weight (0 = never).
         self.small_batch_rows = 0
+        # The weight as that kernel reads it (workers/cpu_linear.py): the plain one, or an AMX copy.
+        self.small_batch_weight: torch.Tensor | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local_logits = linear(hidden, self.weight, None, self.packed_weight, self.small_batch_rows)
+        local_logits = linear(hidden, self.weight, None, self.packed_weight, self.small_batch_rows, self.small_batch_weight)
         logits = self.tp.gather_last_dim_to_first_rank(local_logits)
         if logits is None:
             return None

@@ -14,7 +14,7 @@ import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers import cpu_ops
-from workers.cpu_linear import can_prepack, prepack_linears
+from workers.cpu_linear import amx_packable, can_prepack, prepack_linears
 from workers.cuda_graph import CudaGraphRunner, make_graph_runner
 from workers.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, check_room_for_one_request, gpu_kv_budget,
                               kv_spec_for, num_blocks_for_budget)
@@ -54,9 +54,9 @@ class WorkerConfig:
     # CPU only: tpserve's own kernels for norms, rotary, SiLU, KV write and decode attention
     # (workers/cpu_ops.py), where they build on this machine.
     cpu_kernels: bool = True
-    # CPU, with prepacking and the kernels: batches of up to 48 rows (float32) or 8 (bf16, with
-    # AVX512-BF16) run the kernels' skinny_linear on a kept plain copy of each weight
-    # (workers/cpu_linear.py).
+    # CPU, with prepacking and the kernels: batches of up to 48 rows (float32), 64 (bf16 with AMX:
+    # amx_linear on an AMX tile copy of each weight) or 8 (bf16 with AVX512-BF16 only) run a
+    # small-batch kernel on a kept copy of each weight (workers/cpu_linear.py).
     cpu_small_batch_linear: bool = True
     # CPU, float32, with the kernels: prefill chunks through the kernels' flash attention over
     # the paged cache (workers/csrc/prefill_attention.cpp) instead of torch's SDPA.
@@ -103,7 +103,8 @@ class WorkerCore:
         param_bytes = model.load_weights(cfg.model_path)
         self.cpu_kernels = cfg.cpu_kernels and self.device.type == "cpu" and cpu_ops.load()
         if cfg.cpu_prepack_linear and can_prepack(self.device, cfg.dtype):
-            prepack_linears(model, small_batch_rows=self._small_batch_rows())
+            rows, amx = self._small_batch_rows(model)
+            prepack_linears(model, small_batch_rows=rows, amx=amx)
         if self.cpu_kernels:
             model.use_cpu_kernels()
             if cfg.cpu_layer_stack:
@@ -122,16 +123,21 @@ class WorkerCore:
             budget_note=note,
         )
 
-    def _small_batch_rows(self) -> int:
-        """Rows up to which projections take skinny_linear (0: off, or no such kernel here)."""
+    def _small_batch_rows(self, model: torch.nn.Module) -> tuple[int, bool]:
+        """Rows up to which projections take a small-batch kernel (0: off, or no such kernel
+        here), and whether that kernel is amx_linear (else skinny_linear)."""
         cfg = self.config
         if not (cfg.cpu_small_batch_linear and self.cpu_kernels):
-            return 0
+            return 0, False
+        ops = cpu_ops.ops()
         if cfg.dtype == torch.float32:
-            return int(cpu_ops.ops().skinny_linear_max_rows())
-        if cfg.dtype == torch.bfloat16:  # AVX512-BF16 builds only (0 elsewhere)
-            return int(cpu_ops.ops().skinny_linear_max_rows_bf16())
-        return 0
+            return int(ops.skinny_linear_max_rows()), False
+        if cfg.dtype == torch.bfloat16:
+            amx_rows = int(ops.amx_linear_max_rows())  # 0 without AMX
+            if amx_rows and amx_packable(model):
+                return amx_rows, True
+            return int(ops.skinny_linear_max_rows_bf16()), False  # 0 without AVX512-BF16
+        return 0, False
 
     def _cpu_prefill_attention(self) -> bool:
         """Whether prefill chunks take the kernels' flash attention: float32 only, where it was

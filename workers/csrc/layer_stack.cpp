@@ -17,9 +17,10 @@
 //   residual, h = add_rms_norm(residual, linear(out, o))
 //   x           = linear(silu_and_mul(linear(h, gate_up)), down)
 // and returns (x, residual) of the last layer; the model's final norm adds them.
-// A linear takes skinny_linear on the plain weight up to small_batch_rows rows, oneDNN's
-// prepacked GEMM (mkldnn::_linear_pointwise) above when a packed weight is given, else at::linear:
-// workers/cpu_linear.py's linear(), decided the same way.
+// A linear takes its small-batch kernel up to small_batch_rows rows (amx_linear on an AMX tile
+// copy, skinny_linear on the plain weight), oneDNN's prepacked GEMM (mkldnn::_linear_pointwise)
+// above when a packed weight is given, else at::linear: workers/cpu_linear.py's linear(), decided
+// the same way.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -30,23 +31,21 @@
 
 namespace {
 
-// Tensors per layer in the flat weight list, in this order (workers/layer_stack.py builds it).
+// Tensors per projection, in this order: the plain weight, oneDNN's packed one, the small-batch
+// kernel's (cpu_linear.py's small_batch_weight), the bias; any but one of the first two may be None.
+enum LinearSlot : int64_t { kWeight, kPacked, kSmall, kBias, kSlotsPerLinear };
+
+// Tensors per layer in the flat weight list, in this order (workers/layer_stack.py builds it):
+// the input norm, the QKV projection's four, the O projection's, the post-attention norm, then the
+// gate-up and down projections'.
 enum LayerSlot : int64_t {
-  kInputNorm,
-  kQkvWeight,
-  kQkvPacked,
-  kQkvBias,
-  kOWeight,
-  kOPacked,
-  kOBias,
-  kPostNorm,
-  kGateUpWeight,
-  kGateUpPacked,
-  kGateUpBias,
-  kDownWeight,
-  kDownPacked,
-  kDownBias,
-  kSlotsPerLayer,
+  kInputNorm = 0,
+  kQkv = 1,
+  kO = kQkv + kSlotsPerLinear,
+  kPostNorm = kO + kSlotsPerLinear,
+  kGateUp = kPostNorm + 1,
+  kDown = kGateUp + kSlotsPerLinear,
+  kSlotsPerLayer = kDown + kSlotsPerLinear,
 };
 
 using OptTensor = std::optional<at::Tensor>;
@@ -69,6 +68,7 @@ struct Ops {
                                 const at::Tensor&, const at::Tensor&, double, int64_t, double)>
       prefill_attention;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> skinny_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> amx_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view,
                                       c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>
       packed_linear;
@@ -94,6 +94,7 @@ struct Ops {
                           const at::Tensor&, double, int64_t, double)>(),
           find("tpserve_cpu::skinny_linear")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
+          find("tpserve_cpu::amx_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
           find("mkldnn::_linear_pointwise")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view,
                                 c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>(),
@@ -103,12 +104,16 @@ struct Ops {
   }
 };
 
-// workers/cpu_linear.py's linear(): skinny_linear up to small_rows rows (0: never), the packed
-// GEMM when there is a packed weight, at::linear on the plain weight otherwise.
-at::Tensor project(const Ops& ops, const at::Tensor& x, const OptTensor& weight, const OptTensor& packed,
-                   const OptTensor& bias, int64_t small_rows) {
-  if (packed.has_value() && x.size(0) <= small_rows) return ops.skinny_linear.call(x, *weight, bias);
+// workers/cpu_linear.py's linear(): the small-batch kernel up to small_rows rows (amx_linear on
+// a 4-D AMX tile copy, skinny_linear on a plain weight; 0 rows: never), the packed GEMM when there
+// is a packed weight, at::linear on the plain weight otherwise. `w` yields the projection's slots.
+template <typename Slot>
+at::Tensor project(const Ops& ops, const at::Tensor& x, Slot&& w, int64_t small_rows) {
+  const OptTensor packed = w(kPacked), small = w(kSmall), bias = w(kBias);
+  if (packed.has_value() && small.has_value() && x.size(0) <= small_rows)
+    return small->dim() == 4 ? ops.amx_linear.call(x, *small, bias) : ops.skinny_linear.call(x, *small, bias);
   if (packed.has_value()) return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  const OptTensor weight = w(kWeight);
   TORCH_CHECK(weight.has_value(), "layer_stack: a projection has neither a plain nor a packed weight");
   return at::linear(x, *weight, bias);
 }
@@ -200,7 +205,11 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
               "layer_stack: a soft cap needs the eager attention the Python loop runs (SDPA has no hook for it)");
   const Ops& ops = Ops::get();
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  auto slot = [&](int64_t layer, LayerSlot s) -> OptTensor { return weights.get(layer * kSlotsPerLayer + s); };
+  auto slot = [&](int64_t layer, int64_t s) -> OptTensor { return weights.get(layer * kSlotsPerLayer + s); };
+  // The slots of the projection whose first slot is `first`, one LinearSlot at a time.
+  auto linear = [&](int64_t layer, LayerSlot first) {
+    return [&slot, layer, first](LinearSlot s) { return slot(layer, first + s); };
+  };
   auto need = [&](int64_t layer, LayerSlot s) -> at::Tensor {
     OptTensor t = slot(layer, s);
     TORCH_CHECK(t.has_value(), "layer_stack: layer ", layer, " lacks weight slot ", static_cast<int64_t>(s));
@@ -215,8 +224,7 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     } else {
       std::tie(residual, h) = ops.add_rms_norm.call(residual, x, need(layer, kInputNorm), eps, norm_offset);
     }
-    const at::Tensor qkv =
-        project(ops, h, slot(layer, kQkvWeight), slot(layer, kQkvPacked), slot(layer, kQkvBias), small_batch_rows);
+    const at::Tensor qkv = project(ops, h, linear(layer, kQkv), small_batch_rows);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer_stack: the QKV projection's width does not fit the heads");
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -235,13 +243,10 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
     else if (chunks)
       ops.prefill_attention.call(out, q, k_cache, v_cache, *prefill_block_tables, *prefill_chunks, scale,
                                  sliding_windows[layer], soft_cap);
-    const at::Tensor attn = project(ops, out.view({tokens, q_size}), slot(layer, kOWeight), slot(layer, kOPacked),
-                                    slot(layer, kOBias), small_batch_rows);
+    const at::Tensor attn = project(ops, out.view({tokens, q_size}), linear(layer, kO), small_batch_rows);
     std::tie(residual, h) = ops.add_rms_norm.call(residual, attn, need(layer, kPostNorm), eps, norm_offset);
-    const at::Tensor gate_up = project(ops, h, slot(layer, kGateUpWeight), slot(layer, kGateUpPacked),
-                                       slot(layer, kGateUpBias), small_batch_rows);
-    x = project(ops, ops.silu_and_mul.call(gate_up), slot(layer, kDownWeight), slot(layer, kDownPacked),
-                slot(layer, kDownBias), small_batch_rows);
+    const at::Tensor gate_up = project(ops, h, linear(layer, kGateUp), small_batch_rows);
+    x = project(ops, ops.silu_and_mul.call(gate_up), linear(layer, kDown), small_batch_rows);
   }
   return {x, residual};
 }
