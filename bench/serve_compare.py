@@ -4,8 +4,8 @@
     python -m bench.serve_compare --tpserve-base-url http://127.0.0.1:8000   # an already running tpserve
 
 Starts `tpserve serve` on a free port, runs bench.serve_load against it, stops it; then the same
-for the vLLM peer (bench.vllm_peer, installed into its own venv on first use). The servers never
-run at the same time, so neither steals the other's cores. Prints one JSON object: the workload,
+for the vLLM peer (bench.vllm_peer, installed into its own venv on first use). By default the
+servers never run at the same time, so neither steals the other's cores (`--rounds`: below). Prints one JSON object: the workload,
 both results, and tpserve/vLLM ratios (throughput: higher is better for tpserve; TTFT and TPOT:
 lower is better). Every server it started is stopped on the way out, whatever happens.
 
@@ -13,6 +13,14 @@ Each server is started once and loaded at every level of `--concurrencies` (defa
 streams; `--prompts-per-stream` prompts per stream, at least 8, the same seeded prompts for both
 servers at a level). Before the servers, the offline engines run on the 16-stream level's
 workload (`bench.offline_compare`: tpserve's LLMEngine vs vLLM's LLM.generate), the third column.
+
+`--rounds N` (N > 1) is for machines whose speed drifts within minutes (a shared VM: the same
+vLLM gave 154 and 245 tok/s at 16 streams ten minutes apart), where one run of each server an
+hour apart compares drift, not engines. Both servers are then started and kept up (idle while
+the other is loaded; `--pause-s` between turns lets the last one's threads settle). Each round
+loads every level on each server, in swapped order each round. Per level and server the result
+is the mean of the rounds' throughput, median TTFT and median TPOT, and the ratios come from
+these means. Every round's figures stay in the output ("rounds").
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 from bench import vllm_peer
 from bench.serve_load import LoadConfig, run_load
@@ -79,6 +89,59 @@ def bench_one(name: str, start, base_url: str | None, workloads: dict[int, list]
     finally:
         if server is not None:
             logger.info("stopping %s", name)
+            server.stop()
+
+
+# The figures averaged over rounds (the ratios' keys).
+ROUND_KEYS = ("output_token_throughput", "median_ttft_ms", "median_tpot_ms")
+
+
+def alternate_rounds(base_urls: dict[str, str], rounds: int, run_levels: Callable[[str, str], dict],
+                     pause_s: float = 0.0) -> dict[str, dict]:
+    """`rounds` turns of run_levels(name, base_url) -> {level: result} on every server, the order
+    swapped each round. Returns, per server, each level's mean of ROUND_KEYS over the rounds
+    (with `completed` summed and `failed` summed), plus "rounds": every round's results."""
+    names = list(base_urls)
+    per_round: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            if pause_s:
+                time.sleep(pause_s)
+            per_round[name].append(run_levels(name, base_urls[name]))
+    out: dict[str, dict] = {}
+    for name, results in per_round.items():
+        merged: dict = {"rounds": results}
+        levels = [level for level in results[0] if level.isdigit()]
+        for level in levels:
+            runs = [res.get(level, {}) for res in results]
+            if not all(run.get("completed") for run in runs):
+                merged[level] = {"error": "a round did not complete this level", "completed": 0}
+                continue
+            merged[level] = {key: round(sum(run[key] for run in runs) / len(runs), 3) for key in ROUND_KEYS}
+            merged[level]["completed"] = sum(run["completed"] for run in runs)
+            merged[level]["failed"] = sum(run.get("failed", 0) for run in runs)
+            merged[level]["rounds"] = len(runs)
+        out[name] = merged
+    return out
+
+
+def bench_rounds(starters: dict[str, Callable], base_urls: dict[str, str | None], workloads: dict[int, list],
+                 args) -> dict[str, dict]:
+    """Both servers up at once (started here unless given), then alternate_rounds over them."""
+    servers = []
+    try:
+        urls = {}
+        for name, start in starters.items():
+            if base_urls.get(name):
+                urls[name] = base_urls[name]
+                continue
+            server = start()
+            servers.append(server)
+            urls[name] = server.base_url
+        return alternate_rounds(urls, args.rounds, lambda name, url: bench_one(name, None, url, workloads, args),
+                                pause_s=args.pause_s)
+    finally:
+        for server in servers:
             server.stop()
 
 
@@ -171,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpserve-arg", action="append", default=[], help="extra `tpserve serve` argument (repeat)")
     p.add_argument("--vllm-omp-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: all our CPUs)")
     p.add_argument("--skip", choices=["tpserve", "vllm"], action="append", default=[])
+    p.add_argument("--rounds", type=int, default=1,
+                   help="> 1: both servers up, every level loaded on each in alternation this many times (means)")
+    p.add_argument("--pause-s", type=float, default=3.0, help="with --rounds: idle seconds before each turn")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     args.dtype = concrete_dtype(args.dtype)
@@ -191,11 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_offline:
         offline_reqs = workloads[16] if 16 in workloads else workloads[levels[-1]]
         out["offline"] = run_offline(model_dir, args.model_dir is None, offline_reqs, tokenizer, args)
-    if "tpserve" not in args.skip:
-        out["tpserve"] = bench_one("tpserve", lambda: start_tpserve(None if args.model_dir is None else model_dir, args),
-                                   args.tpserve_base_url, workloads, args)
-    if "vllm" not in args.skip:
-        out["vllm"] = bench_one("vllm", lambda: start_vllm(model_dir, args), args.vllm_base_url, workloads, args)
+    starters = {"tpserve": lambda: start_tpserve(None if args.model_dir is None else model_dir, args),
+                "vllm": lambda: start_vllm(model_dir, args)}
+    starters = {name: start for name, start in starters.items() if name not in args.skip}
+    base_urls = {"tpserve": args.tpserve_base_url, "vllm": args.vllm_base_url}
+    if args.rounds > 1:
+        out.update(bench_rounds(starters, base_urls, workloads, args))
+    else:
+        for name, start in starters.items():
+            out[name] = bench_one(name, start, base_urls[name], workloads, args)
     out["ratios_tpserve_over_vllm"] = level_ratios(out.get("tpserve", {}), out.get("vllm", {}))
     text = json.dumps(out, indent=2)
     print(text)

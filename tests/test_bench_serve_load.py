@@ -168,3 +168,45 @@ def test_bench_dtype_auto_is_the_engines_auto_on_this_cpu(monkeypatch):
     monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda *_: False)
     assert concrete_dtype("auto") == "float32"
     assert concrete_dtype("bfloat16") == "bfloat16"
+
+
+def test_alternate_rounds_swaps_the_order_and_averages_each_level():
+    from bench.serve_compare import alternate_rounds
+
+    calls = []
+    figures = iter([100.0, 50.0, 70.0, 150.0])  # tpserve 100, vllm 50 in round 0; vllm 70, tpserve 150 in round 1
+
+    def run_levels(name, url):
+        calls.append(name)
+        value = next(figures)
+        return {"16": {"output_token_throughput": value, "median_ttft_ms": value / 10, "median_tpot_ms": 1.0,
+                       "completed": 4, "failed": 0}, "server_log": "x"}
+
+    out = alternate_rounds({"tpserve": "t", "vllm": "v"}, 2, run_levels)
+    assert calls == ["tpserve", "vllm", "vllm", "tpserve"]
+    assert out["tpserve"]["16"]["output_token_throughput"] == 125.0 and out["vllm"]["16"]["output_token_throughput"] == 60.0
+    assert out["tpserve"]["16"]["median_ttft_ms"] == 12.5 and out["tpserve"]["16"]["completed"] == 8
+    assert [r["16"]["output_token_throughput"] for r in out["vllm"]["rounds"]] == [50.0, 70.0]
+    # A level one round did not complete is reported as such, not averaged.
+    outcomes = iter([{"16": {"output_token_throughput": 9.0, "median_ttft_ms": 1.0, "median_tpot_ms": 1.0,
+                             "completed": 4}}, {"16": {"completed": 0}}])
+    broken = alternate_rounds({"tpserve": "t"}, 2, lambda name, url: next(outcomes))
+    assert broken["tpserve"]["16"]["completed"] == 0 and "error" in broken["tpserve"]["16"]
+
+
+def test_serve_compare_rounds_against_a_running_server(fake_server, tmp_path):
+    """--rounds 2 against an already running server (the fake one), vLLM skipped: two rounds in
+    the output and the level's mean, and exit status 0."""
+    from bench import serve_compare
+
+    _tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = serve_compare.main(["--model-dir", str(tmp_path / "tok"), "--skip", "vllm", "--tpserve-base-url",
+                                 fake_server, "--skip-offline", "--rounds", "2", "--pause-s", "0",
+                                 "--concurrencies", "2", "--prompts-per-stream", "4", "--input-len-min", "5",
+                                 "--input-len-max", "9", "--output-len", "2", "--dtype", "float32"])
+    assert rc == 0
+    out = json.loads(buf.getvalue())
+    assert len(out["tpserve"]["rounds"]) == 2 and out["tpserve"]["2"]["completed"] == 16
+    assert out["tpserve"]["2"]["output_token_throughput"] > 0
