@@ -147,15 +147,19 @@ void n_block_and_store(const char* a, int64_t kb_stride, const char* b, int64_t 
 // contiguous and one k block's tiles side by side, so that the tile loads stream from L1 (rows of
 // x 2 K bytes apart, 64 rows at K = 576 already spill L1; measured 1.2-1.6x slower at 64 rows).
 at::Tensor pack_rows(const at::Tensor& x, int64_t row_blocks, int64_t k_blocks) {
-  at::Tensor out = at::zeros({k_blocks, row_blocks, kTileRows, kTileK}, x.options());
+  // Only the padding is zeroed (rows past M, K past its last multiple of 32): a zero-filled
+  // buffer cost one more pass over it per projection.
+  at::Tensor out = at::empty({k_blocks, row_blocks, kTileRows, kTileK}, x.options());
   const int64_t M = x.size(0), K = x.size(1), stride = x.stride(0);
   const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = 0; m < row_blocks * kTileRows; ++m) {
     const int64_t rb = m / kTileRows, r = m % kTileRows;
     for (int64_t kb = 0; kb < k_blocks; ++kb) {
-      const int64_t k0 = kb * kTileK, n = std::min(kTileK, K - k0);
-      std::memcpy(dst + ((kb * row_blocks + rb) * kTileRows + r) * kTileK, src + m * stride + k0, n * 2);
+      uint16_t* row = dst + ((kb * row_blocks + rb) * kTileRows + r) * kTileK;
+      const int64_t k0 = kb * kTileK, n = m < M ? std::min(kTileK, K - k0) : 0;
+      if (n > 0) std::memcpy(row, src + m * stride + k0, n * 2);
+      if (n < kTileK) std::memset(row + n, 0, (kTileK - n) * 2);
     }
   }
   return out;
