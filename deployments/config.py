@@ -35,11 +35,19 @@ class TpserveConfig(BaseModel):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     # Most requests running at once.
     max_num_seqs: int = Field(default=64, gt=0)
-    # Per-step token budget (prefill chunks + decode tokens). 1024: in tpserve-only A/Bs on the
-    # 2-core EPYC (16 and 64 streams, both run orders), 6-14% more output tok/s than 512 and 12-18%
-    # lower median TPOT, the 16-stream TTFT 24-30% higher; vLLM's CPU server takes 2048 (README,
-    # levers table).
-    max_num_batched_tokens: int = Field(default=1024, gt=0)
+    # Most tokens one step takes (prefill chunks + decode tokens). 2048, vLLM's CPU server's
+    # default: reached at 64 requests with the two fields below (fixed at 1024 before; 2048 gave
+    # 3-15% more tok/s at 64 streams in-process on the 2-core Xeon, README).
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    # The step budget grows with the load: this many tokens per request in the engine (running +
+    # waiting), between min_num_batched_tokens and max_num_batched_tokens; 0 = always the max.
+    # Few requests: small prefill chunks, an earlier first token for each prompt (a chunk's prompts
+    # all wait for the whole step); many: large chunks, fewer passes over the running decodes
+    # (scheduler/scheduler.py, Scheduler.step_token_budget).
+    num_batched_tokens_per_request: int = Field(default=32, ge=0)
+    # Floor of that budget (a step of fewer prefill tokens runs the GEMMs at a poor M); capped
+    # by max_num_batched_tokens.
+    min_num_batched_tokens: int = Field(default=512, gt=0)
     # Automatic prefix caching.
     enable_prefix_caching: bool = True
     # Ranks per replica; 1 runs the model in the replica's own process.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class SchedulerConfig:
     # Most requests running at once.
     max_num_seqs: int
-    # Per-step token budget: prefill chunks + decode tokens.
+    # Per-step token budget (prefill chunks + decode tokens): the most any step takes.
     max_num_batched_tokens: int
     # Longest prompt + output, in tokens.
     max_model_len: int
@@ -22,3 +22,9 @@ class SchedulerConfig:
     # Window of a model whose every layer slides (Mistral v0.1): blocks behind it are released.
     # None: full attention somewhere (or everywhere), every block is kept.
     sliding_window: int | None = None
+    # Budget that grows with the load (see Scheduler.step_token_budget): this many tokens per
+    # request in the engine (running + waiting), at least min_num_batched_tokens, at most
+    # max_num_batched_tokens. 0 = every step gets max_num_batched_tokens.
+    num_batched_tokens_per_request: int = 0
+    # Floor of that budget (ignored where it exceeds max_num_batched_tokens).
+    min_num_batched_tokens: int = 0

@@ -117,12 +117,28 @@ class Scheduler:
         self._stats = SchedulerStats()
         output = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
-        budget, preempted_any = self._schedule_running(output, self.config.max_num_batched_tokens)
+        budget, preempted_any = self._schedule_running(output, self.step_token_budget())
         if not preempted_any:  # admitting while evicting would thrash
             self._schedule_waiting(output, budget)
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
         self._stats.num_batch_requests = len(output.num_scheduled_tokens)
         return output
+
+    def step_token_budget(self) -> int:
+        """Tokens this step may take. A prefill chunk delays every running request by its
+        compute, and each prompt in it gets its first token only when the whole step ends, so
+        large chunks cost TTFT. What they buy is fewer steps: each step also runs every decode,
+        so with many requests in the engine a small chunk means many more decode passes for the
+        same prompts, while with few the extra passes are cheap. Hence a budget proportional to
+        the requests in the engine, between a floor and max_num_batched_tokens. Measured
+        in-process on the 2-core Xeon, default model, bf16, the bench-serve workload, alternated
+        (README): at 16 streams (budget 512) the median TTFT 30-40% below a fixed 1024 at
+        the same tok/s; at 64 (budget 2048) 3-15% more tok/s than 1024."""
+        cfg = self.config
+        if cfg.num_batched_tokens_per_request <= 0:
+            return cfg.max_num_batched_tokens
+        demand = cfg.num_batched_tokens_per_request * (len(self.running) + len(self.waiting))
+        return min(cfg.max_num_batched_tokens, max(cfg.min_num_batched_tokens, demand))
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Running requests first, in admission order, preempting the newest when the cache is

@@ -97,6 +97,50 @@ def test_token_budget_and_max_num_seqs_cap_every_step():
     assert result.steps[0].output.total_num_scheduled_tokens == 10
 
 
+@pytest.mark.parametrize("num_requests,expected", [(1, 16), (2, 16), (3, 24), (5, 40), (7, 48), (8, 48)])
+def test_step_budget_grows_with_requests_in_the_engine(num_requests, expected):
+    # 8 tokens per request, floor 16, cap 48: the first step's budget is the demand of the
+    # waiting requests (none running yet), clamped.
+    sched = make_scheduler(max_num_batched_tokens=48, min_num_batched_tokens=16,
+                           num_batched_tokens_per_request=8, max_num_seqs=8)
+    add_requests(sched, *[make_request(40, max_tokens=2) for _ in range(num_requests)])
+    assert sched.step_token_budget() == expected
+    first = step(sched, FakeRunner.for_scheduler(sched))
+    assert first.output.total_num_scheduled_tokens == expected
+
+
+def test_step_budget_counts_running_and_waiting_and_follows_the_load():
+    sched = make_scheduler(max_num_batched_tokens=64, min_num_batched_tokens=8,
+                           num_batched_tokens_per_request=4, max_num_seqs=2, num_blocks=129)
+    runner = FakeRunner.for_scheduler(sched)
+    reqs = add_requests(sched, *[make_request(6, max_tokens=3) for _ in range(5)])
+    seen = []
+    while sched.has_unfinished_requests():
+        in_engine = len(sched.running) + len(sched.waiting)
+        budget = sched.step_token_budget()
+        assert budget == min(64, max(8, 4 * in_engine))
+        rec = step(sched, runner)
+        assert rec.output.total_num_scheduled_tokens <= budget
+        seen.append(budget)
+    assert seen[0] == 20 and seen[-1] == 8  # 5 requests at first, the floor once one is left
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert_drained(sched, runner)
+
+
+def test_step_budget_floor_above_the_cap_gives_the_cap_and_zero_per_request_fixes_it():
+    capped = make_scheduler(max_num_batched_tokens=10, min_num_batched_tokens=512, num_batched_tokens_per_request=32)
+    add_requests(capped, make_request(30))
+    assert capped.step_token_budget() == 10
+    fixed = make_scheduler(max_num_batched_tokens=40, min_num_batched_tokens=8, num_batched_tokens_per_request=0)
+    add_requests(fixed, make_request(30))
+    assert fixed.step_token_budget() == 40
+    # A request in the prefill under the floor-sized budget is chunked at it.
+    small = make_scheduler(max_num_batched_tokens=64, min_num_batched_tokens=8, num_batched_tokens_per_request=2)
+    (req,) = add_requests(small, make_request(20, max_tokens=1))
+    result = run_until_done(small)
+    assert [s.scheduled(req.request_id) for s in result.steps] == [8, 8, 4]
+
+
 def test_max_num_seqs_admits_next_only_when_one_finishes():
     sched = make_scheduler(max_num_seqs=2)
     reqs = add_requests(sched, *[make_request(4, max_tokens=3) for _ in range(4)])

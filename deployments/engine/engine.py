@@ -96,6 +96,8 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            num_batched_tokens_per_request=config.num_batched_tokens_per_request,
+            min_num_batched_tokens=config.min_num_batched_tokens,
             max_model_len=self.max_model_len,
             block_size=config.block_size,
             num_blocks=num_blocks,
