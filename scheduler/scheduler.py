@@ -132,8 +132,8 @@ class Scheduler:
         same prompts, while with few the extra passes are cheap. Hence a budget proportional to
         the requests in the engine, between a floor and max_num_batched_tokens. Measured
         in-process on the 2-core Xeon, default model, bf16, the bench-serve workload, alternated
-        (README): at 16 streams (budget 512) the median TTFT 30-40% below a fixed 1024 at
-        the same tok/s; at 64 (budget 2048) 3-15% more tok/s than 1024."""
+        (README): at 16 streams (budget 512) the median TTFT 19-32% below a fixed 1024, at
+        0-5% fewer tok/s; at 64 (budget 2048) 3-15% more tok/s than 1024."""
         cfg = self.config
         if cfg.num_batched_tokens_per_request <= 0:
             return cfg.max_num_batched_tokens
