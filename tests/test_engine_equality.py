@@ -51,6 +51,21 @@ def test_chunked_prefill(model_case):
     _assert_equal(run_engine(engine, _requests(prompts)), references)
 
 
+def test_load_scaled_step_budget(model_case):
+    path, prompts, references = model_case
+    # 4 tokens per request in the engine, 8..64: 8 prompts start at a budget of 32 that falls to
+    # the floor as they finish, so prompts are chunked at sizes that change from step to step.
+    engine = make_engine(path, max_num_batched_tokens=64, min_num_batched_tokens=8, num_batched_tokens_per_request=4)
+    cfg = engine.scheduler_config
+    assert (cfg.max_num_batched_tokens, cfg.min_num_batched_tokens, cfg.num_batched_tokens_per_request) == (64, 8, 4)
+    budgets = []
+    step_token_budget = engine.scheduler.step_token_budget
+    engine.scheduler.step_token_budget = lambda: budgets.append(step_token_budget()) or budgets[-1]
+    _assert_equal(run_engine(engine, _requests(prompts)), references)
+    assert budgets[0] == 32 and budgets[-1] == 8 and max(len(p) for p in prompts) > 8
+    assert engine.num_used_kv_blocks == 0
+
+
 def test_preemption_and_recompute(model_case):
     path, prompts, references = model_case
     # 8 requests need ~40 blocks at their longest; 14 blocks force preemptions.
