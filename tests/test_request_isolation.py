@@ -278,3 +278,20 @@ def test_an_unread_final_output_is_not_rewritten_by_a_later_failure():
         assert done.finish_reason == "length" and done.error is None and done.num_output_tokens == 2
 
     asyncio.run(scenario())
+
+
+def test_shutdown_releases_the_model_and_kv_cache_while_the_engine_object_lives(tiny_model):
+    """An HTTP app keeps its engine object alive after shutdown (FastAPI caches the endpoint
+    closures); the weights and KV cache must go anyway, or a GPU keeps that memory."""
+    import gc
+    import weakref
+
+    engine = make_engine(tiny_model)
+    worker = engine.executor.worker
+    model, kv_cache = weakref.ref(worker.model), weakref.ref(worker.runner.kv_caches[0][0])
+    engine.shutdown()
+    gc.collect()
+    assert model() is None and kv_cache() is None
+    engine.add_request("late", PROMPTS["r0"], greedy(2))
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.executor.execute_model(None)

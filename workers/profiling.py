@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from workers.attention import AttentionMetadata, PrefillChunk
+from workers.cuda_graph import capture_stream
 from workers.gpu_attention import DecodeAttention, make_decode_backend
 from workers.kv_cache import MemoryProfile
 
@@ -80,10 +81,20 @@ def _widest_decode_and_sampler(model, device: torch.device, config) -> None:
         torch.topk(kept[-1].log_softmax(-1), k=20, dim=-1)
 
 
+def _on_capture_stream(device: torch.device, run, model, config) -> None:
+    """run(model, device, config) on the stream the decode graphs are captured on (its cuBLAS
+    workspace is made now, before the KV budget is taken; workers/cuda_graph.capture_stream)."""
+    stream = capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run(model, device, config)
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
 def profile_memory(model, device: torch.device, config, weights_bytes: int) -> MemoryProfile:
     """Measure this rank (weights loaded, no KV cache yet); `config` is the WorkerConfig."""
     prefill_peak = _peak_of(device, lambda: _prefill(model, device, config))
-    decode_peak = _peak_of(device, lambda: _widest_decode_and_sampler(model, device, config))
+    decode_peak = _peak_of(device, lambda: _on_capture_stream(device, _widest_decode_and_sampler, model, config))
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return MemoryProfile(total=total, in_use=total - free, weights=weights_bytes,

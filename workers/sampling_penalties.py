@@ -18,6 +18,12 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
+def _device_scalar(value: float | bool, like: torch.Tensor) -> torch.Tensor:
+    """`value` made on like's device by a fill kernel. `t[idx] = value` would copy a host scalar
+    with a blocking transfer: on an H200 each one was a host sync beside the step's one."""
+    return torch.full((), value, dtype=like.dtype, device=like.device)
+
+
 def _pairs(rows: Sequence[SamplingRow], picked: list[int], ids_of, vocab: int) -> tuple[list[int], list[int]]:
     """(position in `picked`, token id) for every in-vocabulary id of every picked row."""
     row_index: list[int] = []
@@ -38,7 +44,7 @@ def apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) 
     device, vocab = logits.device, logits.shape[-1]
     row_index, token_index = _pairs(rows, picked, lambda r: set(r.prompt_token_ids) | set(r.output_token_ids), vocab)
     seen = torch.zeros(len(picked), vocab, dtype=torch.bool, device=device)
-    seen[_index(row_index, device), _index(token_index, device)] = True
+    seen.index_put_((_index(row_index, device), _index(token_index, device)), _device_scalar(True, seen))
     where = _index(picked, device)
     penalty = torch.tensor([rows[i].params.repetition_penalty for i in picked], dtype=logits.dtype)
     penalty = penalty.to(device, non_blocking=True)[:, None]
@@ -93,7 +99,8 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         return
     row_index, token_index = _pairs(rows, picked, lambda r: r.stop_ids, logits.shape[-1])
     rows_in_batch = [picked[n] for n in row_index]
-    logits[_index(rows_in_batch, logits.device), _index(token_index, logits.device)] = float("-inf")
+    logits.index_put_((_index(rows_in_batch, logits.device), _index(token_index, logits.device)),
+                      _device_scalar(float("-inf"), logits))
 
 
 def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -181,6 +181,14 @@ class WorkerCore:
             runner.capture()
         return runner
 
+    def release(self) -> None:
+        """Drop the model, the KV cache and the graphs (the worker is done); on a GPU the
+        allocator's cache is emptied so that the device's memory is free for others."""
+        self.runner = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.runner is not None, "init_kv_cache must run before execute_model"
         return self.runner.execute_model(scheduler_output)

@@ -86,7 +86,28 @@ def bench_batch(engine, batch_size: int, steps: int, seed: int) -> dict:
     }
 
 
-def bench_mode(path: str, enforce_eager: bool, dtype: str, batch_sizes: list[int], steps: int) -> dict:
+def bench_prefill(engine, prompt_len: int, repeats: int = 3) -> dict:
+    """One request alone, max_tokens 1: wall time from add_request to its first token through
+    `LLMEngine.step()` (the in-process TTFT; prefill steps run eagerly in both modes)."""
+    from scheduler.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for r in range(repeats + 1):  # the first is a warm-up
+        prompt = random_prompts(1, seed=1000 + r, min_len=prompt_len, max_len=prompt_len)[0]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.add_request(f"p{prompt_len}-{r}", prompt, params)
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        times.append(time.perf_counter() - start)
+    return {"prompt_len": prompt_len, "steps": steps, "ttft_ms": 1e3 * statistics.median(times[1:])}
+
+
+def bench_mode(path: str, enforce_eager: bool, dtype: str, batch_sizes: list[int], steps: int,
+               prefill_lens: list[int] = ()) -> dict:
     start = time.perf_counter()
     _, engine = make_engine(path, enforce_eager, dtype)
     runner = graph_runner(engine)
@@ -107,6 +128,11 @@ def bench_mode(path: str, enforce_eager: bool, dtype: str, batch_sizes: list[int
         print(f"  {'eager ' if enforce_eager else 'graphs'} batch {b:3d}: "
               f"{result['batches'][str(b)]['step_tokens_per_s']:9.1f} tok/s (step), "
               f"{result['batches'][str(b)]['forward_tokens_per_s']:9.1f} tok/s (runner)", flush=True)
+    result["prefill"] = {}
+    for n in prefill_lens:
+        result["prefill"][str(n)] = bench_prefill(engine, n)
+        print(f"  {'eager ' if enforce_eager else 'graphs'} prefill {n:5d} tokens alone: "
+              f"{result['prefill'][str(n)]['ttft_ms']:8.2f} ms to the first token", flush=True)
     engine.shutdown()
     del engine, runner
     gc.collect()
@@ -225,7 +251,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--http", action="store_true", help="also run a small HTTP load (needs uvicorn)")
     parser.add_argument("--http-requests", type=int, default=64)
-    parser.add_argument("--http-concurrency", type=int, default=16)
+    parser.add_argument("--http-concurrency", default="16", help="comma-separated: one HTTP load each")
+    parser.add_argument("--modes", default="eager,graphs", help="eager, graphs or both")
+    parser.add_argument("--prefill-lens", default="32,128,512,2048",
+                        help="prompt lengths whose in-process time to first token is measured alone")
+    parser.add_argument("--skip-hf", action="store_true", help="no HF generate baseline")
     parser.add_argument("--out", default=None, help="write the JSON here too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -247,10 +277,26 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
 
-    for name, eager in (("eager", True), ("graphs", False)):
+    modes = [(name, name == "eager") for name in args.modes.split(",")]
+    prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
+    for name, eager in modes:
         print(f"{name}:", flush=True)
-        report["modes"][name] = bench_mode(path, eager, args.dtype, batch_sizes, args.steps)
+        report["modes"][name] = bench_mode(path, eager, args.dtype, batch_sizes, args.steps, prefill_lens)
         save()
+    if args.http:
+        report["http"] = {}
+        for name, eager in modes:
+            for concurrency in (int(c) for c in args.http_concurrency.split(",")):
+                key = name if concurrency == 16 else f"{name}-c{concurrency}"
+                report["http"][key] = asyncio.run(http_load(path, args.dtype, eager, args.http_requests,
+                                                            concurrency, max_tokens=64))
+                print(f"  http {key}: {json.dumps(report['http'][key])}", flush=True)
+                save()
+                gc.collect()
+                torch.cuda.empty_cache()
+    if len(modes) < 2:
+        print(json.dumps(report, indent=1))
+        return
     report["graph_speedup"] = {
         str(b): {
             "step": report["modes"]["graphs"]["batches"][str(b)]["step_tokens_per_s"]
@@ -261,22 +307,15 @@ def main() -> None:
         for b in batch_sizes
     }
     save()
-    print("hf generate:", flush=True)
-    report["hf_generate"] = bench_hf_generate(path, args.dtype, batch_sizes, args.steps)
-    report["graphs_vs_hf_generate"] = {
-        str(b): report["modes"]["graphs"]["batches"][str(b)]["step_tokens_per_s"]
-        / report["hf_generate"][str(b)]["decode_tokens_per_s"]
-        for b in batch_sizes
-    }
-    save()
-    if args.http:
-        report["http"] = {}
-        for name, eager in (("eager", True), ("graphs", False)):
-            report["http"][name] = asyncio.run(http_load(path, args.dtype, eager, args.http_requests,
-                                                         args.http_concurrency, max_tokens=64))
-            save()
-            gc.collect()
-            torch.cuda.empty_cache()
+    if not args.skip_hf:
+        print("hf generate:", flush=True)
+        report["hf_generate"] = bench_hf_generate(path, args.dtype, batch_sizes, args.steps)
+        report["graphs_vs_hf_generate"] = {
+            str(b): report["modes"]["graphs"]["batches"][str(b)]["step_tokens_per_s"]
+            / report["hf_generate"][str(b)]["decode_tokens_per_s"]
+            for b in batch_sizes
+        }
+        save()
     print(json.dumps(report, indent=1))
 
 if __name__ == "__main__":
