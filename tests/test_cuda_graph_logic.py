@@ -68,6 +68,43 @@ def test_capture_sizes_default_cap_is_steps_of_8_to_256():
     assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
 
 
+def test_token_row_sizes_follow_the_decode_sizes_up_to_max_graph_tokens():
+    sizes = make_capture_sizes(64, 256, 2048)
+    assert sizes[: sizes.index(64) + 1] == make_capture_sizes(64, 256)
+    assert sizes[sizes.index(64) + 1 :] == [128, 192, 256, 320, 384, 448, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert make_capture_sizes(8, 256, 100) == [1, 2, 4, 8, 64, 100]  # the cap is always captured
+    assert make_capture_sizes(64, 256, 48) == make_capture_sizes(64, 256)  # at or below the decode cap: nothing
+
+
+def test_token_rows_only_with_a_backend_that_reads_blocks_in_place():
+    from workers.cuda_graph import graph_capture_sizes
+
+    assert graph_capture_sizes("triton", 64, 256, 512)[-1] == 512
+    assert graph_capture_sizes("torch", 64, 256, 512) == make_capture_sizes(64, 256)
+
+
+def test_which_steps_with_prefill_tokens_replay_token_row_graphs():
+    from workers.cuda_graph import MAX_TOKEN_ROW_CONTEXT_READS, CudaGraphRunner
+
+    class InPlaceBackend(TorchDecodeAttention):  # reads blocks in place, as the Triton kernel
+        name = "triton"
+
+    def runner(backend, max_token_rows, captured=True):
+        r = CudaGraphRunner(torch.nn.Identity(), [], BLOCK_SIZE, 64, make_capture_sizes(4, 256, 128), backend,
+                            torch.device("cpu"), max_num_seqs=4, max_token_rows=max_token_rows)
+        if captured:
+            r.graphs[(1, 4)] = None  # what capture() leaves: any graph
+        return r
+
+    on = runner(InPlaceBackend(), 128)
+    assert on.can_replay_rows(128, MAX_TOKEN_ROW_CONTEXT_READS)
+    assert not on.can_replay_rows(129, 0)  # no graph holds the rows
+    assert not on.can_replay_rows(64, MAX_TOKEN_ROW_CONTEXT_READS + 1)  # long contexts: eager SDPA is cheaper
+    assert not runner(InPlaceBackend(), 0).can_replay_rows(4, 10)  # 0: decode-only graphs
+    assert not runner(TorchDecodeAttention(), 128).can_replay_rows(4, 10)  # the gathering backend
+    assert not runner(InPlaceBackend(), 128, captured=False).can_replay_rows(4, 10)  # enforce_eager
+
+
 @pytest.mark.parametrize(("value", "expected"), [(1, 1), (3, 4), (5, 8), (9, 16), (17, 24), (64, 64), (65, None)])
 def test_select_bucket_is_the_next_captured_size(value, expected):
     assert select_bucket(make_capture_sizes(64, 256), value) == expected

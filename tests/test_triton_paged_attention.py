@@ -220,6 +220,61 @@ def test_graph_runner_with_the_triton_kernel_is_token_identical_to_the_cpu_path(
     assert runner.stats.num_replays == num_tokens - 1  # batch 3 padded to the 4 graph
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the interpreted CPU stand-in; on CUDA the GPU check runs the engine with real graphs")
+def test_token_row_graphs_serve_steps_with_prefill_chunks_with_the_flat_paths_tokens(tmp_path):
+    """An engine whose every step (chunked prefills beside decodes, a chunk after a prefix-cache
+    hit, decode-only steps) replays token-row graphs (stood in for by re-running the forward on
+    the static buffers) gives the greedy tokens of the flat path, which HF checks elsewhere."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    from engine_helpers import greedy, make_engine, run_engine
+    from gpu_helpers import RerunCapturer
+    from model_fixtures import make_tiny_llama
+    from workers.cuda_graph import CudaGraphRunner, make_capture_sizes
+
+    path = make_tiny_llama(tmp_path / "llama", num_heads=8, num_kv_heads=2, num_layers=1)
+    budget = 12
+    settings = dict(block_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=budget,
+                    min_num_batched_tokens=budget, num_batched_tokens_per_request=0)
+    shared = [300 + k for k in range(16)]  # two full blocks: a prefix-cache hit for the second
+    requests = {"a": (shared + [7, 8, 9], greedy(5)), "b": ([500 + k for k in range(9)], greedy(6)),
+                "c": ([900, 901, 902], greedy(7))}
+    plain = make_engine(path, **settings)
+    reference = run_engine(plain, requests)
+    reference.update(run_engine(plain, {"d": (shared + [11, 12], greedy(4))}))
+
+    graphed = make_engine(path, **settings)
+    worker = graphed.executor.worker
+    runner = CudaGraphRunner(worker.model, worker.runner.kv_caches, 8, 64, make_capture_sizes(4, 256, budget),
+                             TritonDecodeAttention(), torch.device("cpu"), max_num_seqs=4, max_token_rows=budget)
+    runner.capture(RerunCapturer())
+    worker.runner.graph_runner = runner
+    scheduled: list[list[int]] = []  # tokens per request, every step
+    execute = worker.runner.execute_model
+
+    def recording(out):
+        if not out.is_empty:
+            scheduled.append(sorted(out.num_scheduled_tokens.values()))
+        return execute(out)
+
+    graphed.executor.execute_model = recording
+    outputs = run_engine(graphed, requests)
+    graphed.add_request("d", shared + [11, 12], greedy(4))
+    outputs["d"], cached = [], 0
+    while graphed.has_unfinished_requests():
+        for out in graphed.step():
+            outputs["d"] += out.new_token_ids
+            cached = max(cached, out.num_cached_tokens)
+    assert outputs == reference
+    assert runner.stats.num_replays == len(scheduled) and runner.stats.num_eager == 0  # every step a graph
+    assert any(1 in s and max(s) > 1 for s in scheduled)  # prefill chunks beside decodes
+    assert cached == 16  # "d" read the shared blocks from the cache, then its chunk ran as rows
+    assert graphed.num_used_kv_blocks == 0
+
+
 def test_strided_queries_are_read_in_place():
     """q as the model hands it over: a view of a fused QKV projection (rows strided)."""
     q, k, v, tables, lens = make_case(19, [5, 40], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16)

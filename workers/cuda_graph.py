@@ -13,8 +13,16 @@ captured graph launches them all at once. The runner owns:
   * `can_use(batch)`: a decode-only batch no larger than the largest captured size. Such a batch
     is padded to the next captured size with dummy requests (token 0 at position 0, their one
     K/V slot and every block-table entry in the null block, context length 1) and replayed.
-Prefill and mixed steps never come here (the model runner runs them eagerly); a decode batch
-above the largest size, or any decode batch under `enforce_eager`, runs the same forward eagerly.
+  * token rows (`can_replay_rows`): with a backend that reads blocks in place (Triton), steps
+    that carry prefill tokens replay graphs too. Every scheduled token is one row, fed like a
+    decode: a prompt token at position p attends to the p + 1 tokens up to itself, which is
+    causal attention by construction, since the whole chunk's K/V are written before any row
+    reads. The capture list then goes on past the decode sizes up to max_graph_tokens. Measured
+    on an H200 before this: every step with a prefill chunk ran eagerly at ~17 ms against
+    2.6-5 ms for a graphed decode step, whatever its size. Steps whose prefill rows read more
+    context than MAX_TOKEN_ROW_CONTEXT_READS stay eager (long prompts: see there).
+A step too large for every graph, a mixed step with another backend, and every step under
+`enforce_eager` run eagerly (the model runner's flat path, or this runner's eager decode).
 
 The pure functions below (sizes, bucket choice, the step plan; padding is in decode_inputs) hold all the decisions and
 are tested on CPU; `capture` takes a capturer object so that CPU tests can stand in for CUDA.
@@ -41,13 +49,19 @@ MiB = 1 << 20
 
 
 # ---- pure decisions ----------------------------------------------------------------------
-def make_capture_sizes(max_num_seqs: int, max_cuda_graph_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then steps of 8, up to the cap; the cap itself is always the largest size."""
+def make_capture_sizes(max_num_seqs: int, max_cuda_graph_batch_size: int, max_graph_tokens: int = 0) -> list[int]:
+    """Decode batches: 1, 2, 4, 8, then steps of 8, up to the cap (always the largest decode
+    size). Then, when max_graph_tokens is above it, row counts for steps that carry prefill
+    tokens (one row per token, `CudaGraphRunner`): steps of 64 up to 512, of 256 above, and
+    max_graph_tokens itself."""
     cap = min(max_num_seqs, max_cuda_graph_batch_size)
     if cap < 1:
         return []
-    sizes = [s for s in (1, 2, 4) if s < cap] + list(range(8, cap, 8))
-    return sizes + [cap]
+    sizes = [s for s in (1, 2, 4) if s < cap] + list(range(8, cap, 8)) + [cap]
+    if max_graph_tokens > cap:
+        rows = [n for n in range(64, min(max_graph_tokens, 512) + 1, 64)] + list(range(768, max_graph_tokens, 256))
+        sizes += [n for n in rows if cap < n < max_graph_tokens] + [max_graph_tokens]
+    return sizes
 
 
 def select_bucket(buckets: list[int], value: int) -> int | None:
@@ -59,6 +73,19 @@ def select_bucket(buckets: list[int], value: int) -> int | None:
 def is_decode_only(num_scheduled_tokens: dict[str, int]) -> bool:
     """A step in which every request computes exactly one token (the decode layout)."""
     return bool(num_scheduled_tokens) and all(n == 1 for n in num_scheduled_tokens.values())
+
+
+# Decode backends whose graphs may also serve steps with prefill tokens (one row per token):
+# those that read each row's blocks in place. The torch reference gathers every row's table
+# width, which for a 2,048-row step of 512-block tables is gigabytes per layer.
+TOKEN_ROW_BACKENDS = ("triton",)
+# Most context tokens the prefill rows of one token-row step may read in all (a row at position p
+# reads p + 1). The decode kernel reads each row's context on its own, with no tensor-core tiles,
+# so long prompts cost it more than the eager path's SDPA. Break-even measured on an H200
+# (SmolLM2-135M shapes, bf16): a token-row step took ~2.6 ms + ~55-63 ns per context token read
+# (512 prompt tokens alone: 131k reads, 10.9 ms; a 2,048-token prompt in four 512-token chunks:
+# 2.1M reads, 122 ms), an eager step ~17 ms whatever its size: even at ~240k reads.
+MAX_TOKEN_ROW_CONTEXT_READS = 192 * 1024
 
 
 @dataclass(frozen=True)
@@ -148,7 +175,8 @@ class CudaGraphRunner:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, max_model_len: int, capture_sizes: list[int],
-                 backend: DecodeAttentionBackend, device: torch.device, max_num_seqs: int = 0) -> None:
+                 backend: DecodeAttentionBackend, device: torch.device, max_num_seqs: int = 0,
+                 max_token_rows: int = 0) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -162,6 +190,8 @@ class CudaGraphRunner:
         self.buffers = DecodeInputBuffers.make(max_batch, self.max_blocks, device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.stats = GraphStats()
+        # Largest step with prefill tokens that replays a graph, in tokens (0: decode-only graphs).
+        self.max_token_rows = max_token_rows if backend.name in TOKEN_ROW_BACKENDS else 0
 
     @property
     def captured(self) -> bool:
@@ -171,6 +201,14 @@ class CudaGraphRunner:
         """A decode-only batch that a captured graph can serve (after padding)."""
         return plan_decode(batch.num_reqs, batch.max_num_blocks, self.capture_sizes, self.block_buckets,
                            self.captured).use_graph
+
+    def can_replay_rows(self, num_rows: int, prefill_context_reads: int) -> bool:
+        """A step of num_rows tokens, prefill tokens among them, whose prefill rows read
+        prefill_context_reads context tokens in all, replays a graph: graphs were captured, token
+        rows are on (a backend that reads blocks in place), the rows fit, and the reads stay
+        under the break-even with the eager path (MAX_TOKEN_ROW_CONTEXT_READS)."""
+        return (self.captured and num_rows <= min(self.max_token_rows, self.capture_sizes[-1])
+                and prefill_context_reads <= MAX_TOKEN_ROW_CONTEXT_READS)
 
     # ---- capture -------------------------------------------------------------------------
     def capture(self, capturer: Capturer | None = None) -> None:
@@ -233,15 +271,23 @@ class CudaGraphRunner:
         return self.model(buf.input_ids[:size], buf.positions[:size], self.kv_caches, meta)
 
 
+def graph_capture_sizes(backend_name: str, max_num_seqs: int, max_cuda_graph_batch_size: int,
+                        max_graph_tokens: int) -> list[int]:
+    """The capture list of a runner: token-row sizes only for backends that can serve them."""
+    tokens = max_graph_tokens if backend_name in TOKEN_ROW_BACKENDS else 0
+    return make_capture_sizes(max_num_seqs, max_cuda_graph_batch_size, tokens)
+
+
 def make_graph_runner(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *,
                       block_size: int, max_model_len: int, max_num_seqs: int, max_cuda_graph_batch_size: int,
-                      dtype: torch.dtype, device: torch.device, attention_backend: str = "auto") -> CudaGraphRunner:
+                      dtype: torch.dtype, device: torch.device, attention_backend: str = "auto",
+                      max_graph_tokens: int = 0) -> CudaGraphRunner:
     """The decode runner of one rank (graphs are captured by `capture()`, not here)."""
     from workers.gpu_attention import make_decode_backend
 
     attn = model.layers[0].self_attn
     backend = make_decode_backend(attention_backend, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                                   head_dim=attn.head_dim, block_size=block_size, dtype=dtype, device=device)
-    return CudaGraphRunner(model, kv_caches, block_size, max_model_len,
-                           make_capture_sizes(max_num_seqs, max_cuda_graph_batch_size), backend, device,
-                           max_num_seqs=max_num_seqs)
+    sizes = graph_capture_sizes(backend.name, max_num_seqs, max_cuda_graph_batch_size, max_graph_tokens)
+    return CudaGraphRunner(model, kv_caches, block_size, max_model_len, sizes, backend, device,
+                           max_num_seqs=max_num_seqs, max_token_rows=max_graph_tokens)

@@ -4,8 +4,9 @@ Tokens are laid out decodes first (one token each), then prefill chunks, which l
 batch all decodes in one call. Only rank 0 samples and returns tokens.
 
 On GPU a decode-only step goes to the graph runner (static buffers, CUDA-graph replay when it
-can, the same graph-safe forward eagerly when it cannot); every other step, and every step on
-CPU, takes the flat-batch path below.
+can, the same graph-safe forward eagerly when it cannot), and so does a step with prefill tokens
+when a graph holds one row per token (workers/cuda_graph.py, token rows); every other step, and
+every step on CPU, takes the flat-batch path below. Both lay tokens out alike.
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ class ModelRunner:
         self.requests.update(out)
         if out.is_empty:
             return ModelRunnerOutput() if self.is_first_rank else None
-        if self.graph_runner is not None and is_decode_only(out.num_scheduled_tokens):
-            hidden, samplers = self._run_decode(out)
+        if self.graph_runner is not None and (
+                is_decode_only(out.num_scheduled_tokens)
+                or self.graph_runner.can_replay_rows(out.total_num_scheduled_tokens, self._prefill_context_reads(out))):
+            hidden, samplers = self._run_rows(out)
         else:
             inputs = self.prepare_inputs(out)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
@@ -154,9 +157,33 @@ class ModelRunner:
             samplers=samplers,
         )
 
-    def _run_decode(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[str, int]]]:
-        """A decode-only step through the graph runner, rows in the same order as prepare_inputs."""
-        batch, samplers = self._decode_rows([self.requests.states[req_id] for req_id in out.num_scheduled_tokens])
+    def _prefill_context_reads(self, out: SchedulerOutput) -> int:
+        """Context tokens the step's prefill tokens read as token rows (one at position p reads p + 1)."""
+        reads = 0
+        for req_id, num in out.num_scheduled_tokens.items():
+            if num > 1:
+                start = self.requests.states[req_id].num_computed_tokens
+                reads += num * start + num * (num + 1) // 2
+        return reads
+
+    def _run_rows(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[str, int]]]:
+        """A step through the graph runner, one decode-style row per scheduled token, in
+        prepare_inputs' order (decodes, then each prefill chunk's tokens), so that hidden-state
+        rows mean the same on both paths (prompt logprobs index them)."""
+        states = self.requests.states
+        decodes = [states[req_id] for req_id, num in out.num_scheduled_tokens.items() if num == 1]
+        batch, samplers = self._decode_rows(decodes)
+        bs = self.block_size
+        for req_id, num in out.num_scheduled_tokens.items():
+            if num == 1:
+                continue
+            state = states[req_id]
+            start = state.num_computed_tokens
+            chunk = make_decode_batch([(state.token_ids, state.block_ids, pos) for pos in range(start, start + num)], bs)
+            for name in ("token_ids", "positions", "slots", "block_tables", "context_lens"):
+                getattr(batch, name).extend(getattr(chunk, name))
+            if start + num == len(state.token_ids):
+                samplers.append((req_id, batch.num_reqs - 1))
         return self.graph_runner.run(batch), samplers
 
     def _decode_rows(self, states: list[CachedRequestState]) -> tuple[DecodeBatch, list[tuple[str, int]]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from workers.attention import AttentionMetadata, PrefillChunk
-from workers.cuda_graph import capture_stream
+from workers.cuda_graph import capture_stream, graph_capture_sizes
 from workers.gpu_attention import DecodeAttention, make_decode_backend
 from workers.kv_cache import MemoryProfile
 
@@ -58,13 +58,18 @@ def _prefill(model, device: torch.device, config) -> None:
 
 
 def _widest_decode_and_sampler(model, device: torch.device, config) -> None:
-    """max_num_seqs rows with full-length contexts whose tables point at the null block only (the
-    kernels read as much as for real contexts; the scratch cache needs one block)."""
-    rows, bs = config.max_num_seqs, config.block_size
+    """The largest graph's rows (max_num_seqs, or more with token-row graphs) with full-length
+    contexts whose tables point at the null block only (the kernels read as much as for real
+    contexts; the scratch cache needs one block), then the sampler at max_num_seqs rows."""
+    bs = config.block_size
     width = -(-config.max_model_len // bs)
     attn = model.layers[0].self_attn
     backend = make_decode_backend(config.decode_attention, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                                   head_dim=attn.head_dim, block_size=bs, dtype=config.dtype, device=device)
+    rows = config.max_num_seqs
+    if not config.enforce_eager:
+        rows = max(rows, graph_capture_sizes(backend.name, config.max_num_seqs, config.max_cuda_graph_batch_size,
+                                             config.max_cuda_graph_tokens)[-1])
     width = backend.block_buckets(width)[-1]
     scratch = _scratch_cache(model, 1, bs, config.dtype, device)
     decode = DecodeAttention(torch.zeros(rows, width, dtype=torch.int32, device=device),
@@ -75,7 +80,7 @@ def _widest_decode_and_sampler(model, device: torch.device, config) -> None:
                              decode_block_tables=None, decode_mask=None, prefills=[], gpu_decode=decode)
     hidden = model(torch.zeros(rows, dtype=torch.long, device=device), torch.zeros(rows, dtype=torch.long, device=device),
                    scratch, meta)
-    logits = model.compute_logits(hidden)
+    logits = model.compute_logits(hidden[: config.max_num_seqs])
     if logits is not None:
         kept = [logits.float() for _ in range(SAMPLER_VOCAB_TENSORS)]
         torch.topk(kept[-1].log_softmax(-1), k=20, dim=-1)

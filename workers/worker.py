@@ -47,6 +47,9 @@ class WorkerConfig:
     # Most requests running at once, and the cap on the largest captured decode batch.
     max_num_seqs: int = 64
     max_cuda_graph_batch_size: int = 256
+    # GPU only: steps with prefill tokens of up to this many tokens in all replay graphs too, one
+    # row per token (workers/cuda_graph.py, token rows); 0: decode-only graphs.
+    max_cuda_graph_tokens: int = 0
     # Decode attention kernel on GPU: "auto", "torch", "flash_attn" or "flashinfer".
     decode_attention: str = "auto"
     # CPU only: prepack linear weights for oneDNN once after loading (workers/cpu_linear.py).
@@ -176,6 +179,7 @@ class WorkerCore:
             self.model, kv_caches, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs, max_cuda_graph_batch_size=cfg.max_cuda_graph_batch_size,
             dtype=cfg.dtype, device=self.device, attention_backend=cfg.decode_attention,
+            max_graph_tokens=cfg.max_cuda_graph_tokens,
         )
         if not cfg.enforce_eager:
             runner.capture()

@@ -49,6 +49,7 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
         enforce_eager=config.enforce_eager,
         max_num_seqs=config.max_num_seqs,
         max_cuda_graph_batch_size=config.max_cuda_graph_batch_size,
+        max_cuda_graph_tokens=min(config.max_cuda_graph_tokens, config.max_num_batched_tokens),
         cpu_prepack_linear=config.cpu_prepack_linear,
         cpu_kernels=config.cpu_kernels,
         cpu_small_batch_linear=config.cpu_small_batch_linear,
