@@ -147,6 +147,18 @@ def test_padding_requests_use_only_the_null_block():
         pad_decode_batch(_batch(), 1, BLOCK_SIZE)
 
 
+def test_rows_sharing_one_table_are_written_like_separate_rows():
+    """A prefill chunk's token rows share one list (ModelRunner._run_rows); fill() writes runs of
+    the same list at once, and must give what row-by-row writing gives."""
+    chunk = [4, 8, 6]
+    tables = [[7, 9], chunk, chunk, chunk, [5], [5], [2, 3, 1, 11]]  # [5], [5]: equal, not shared
+    n = len(tables)
+    batch = DecodeBatch(list(range(n)), list(range(n)), list(range(n)), tables, [1] * n)
+    buf = DecodeInputBuffers.make(8, 5, torch.device("cpu"))
+    buf.fill(batch, num_blocks=5)
+    assert buf.block_tables[:n, :4].tolist() == padded_block_tables(tables, 4)
+
+
 def test_static_buffers_are_refilled_in_place():
     buf = DecodeInputBuffers.make(8, 5, torch.device("cpu"))
     addresses = [t.data_ptr() for t in (buf.input_ids, buf.positions, buf.slot_mapping, buf.block_tables,

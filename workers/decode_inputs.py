@@ -37,7 +37,9 @@ class DecodeBatch:
     positions: list[int]
     # The KV slot it is written to (slot_of).
     slots: list[int]
-    # Block ids covering each request's context, in token order (unpadded rows).
+    # Block ids covering each request's context, in token order (unpadded rows). Token rows of
+    # one prefill chunk share one list, the chunk's blocks (ModelRunner._run_rows): a row may
+    # then hold blocks past its context, which the kernels, reading context_lens, never touch.
     block_tables: list[list[int]]
     # Context length of each request, this step's token included.
     context_lens: list[int]
@@ -138,8 +140,14 @@ class DecodeInputBuffers:
         host["context_lens"][:n] = batch.context_lens
         tables = host["block_tables"][: n * width].reshape(n, width)
         tables.fill(NULL_BLOCK_ID)
-        for row, ids in zip(tables, batch.block_tables):
-            row[: len(ids)] = ids
+        # Consecutive rows holding the same list (a prefill chunk's token rows) are written in
+        # one broadcast assignment.
+        run_start = 0
+        for i in range(1, n + 1):
+            if i == n or batch.block_tables[i] is not batch.block_tables[run_start]:
+                ids = batch.block_tables[run_start]
+                tables[run_start:i, : len(ids)] = ids
+                run_start = i
         for f in fields(self):
             if f.name == "staging":
                 continue

@@ -178,11 +178,17 @@ class ModelRunner:
             if num == 1:
                 continue
             state = states[req_id]
-            start = state.num_computed_tokens
-            chunk = make_decode_batch([(state.token_ids, state.block_ids, pos) for pos in range(start, start + num)], bs)
-            for name in ("token_ids", "positions", "slots", "block_tables", "context_lens"):
-                getattr(batch, name).extend(getattr(chunk, name))
-            if start + num == len(state.token_ids):
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num
+            blocks = state.block_ids
+            batch.token_ids.extend(state.token_ids[start:end])
+            batch.positions.extend(range(start, end))
+            batch.slots.extend(slot_of(blocks, pos, bs) for pos in range(start, end))
+            # Every row of the chunk shares one table, the chunk's: a row reads only the blocks of
+            # its context_len, and one list object lets fill() write it once for all the rows.
+            table = blocks[: -(-end // bs)]
+            batch.block_tables.extend([table] * num)
+            batch.context_lens.extend(range(start + 1, end + 1))
+            if end == len(state.token_ids):
                 samplers.append((req_id, batch.num_reqs - 1))
         return self.graph_runner.run(batch), samplers
 
