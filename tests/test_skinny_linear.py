@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from engine_helpers import greedy, make_engine, run_engine
 from model_fixtures import make_tiny_llama
 from workers import cpu_ops
-from workers.cpu_linear import can_prepack, linear, prepack_linears
+from workers.cpu_linear import (SKINNY_ONE_PASS_ROWS, calibrate_skinny_rows, can_prepack, choose_skinny_rows,
+                                linear, prepack_linears)
 from workers.decoder import build_model
 from workers.model_config import ModelConfig
 from workers.parallel_state import SINGLE_RANK
@@ -93,7 +94,9 @@ def test_engine_tokens_are_the_same_with_and_without_the_small_batch_kernel(tmp_
     engines = [make_engine(path, cpu_small_batch_linear=on) for on in (False, True)]
     rows = [{m.small_batch_rows for m in e.executor.worker.model.modules() if hasattr(m, "packed_weight")}
             for e in engines]
-    assert rows == [{0}, {MAX_ROWS}]
+    # With the kernel: one limit for every layer, at least its one-pass rows (above them it was
+    # timed against oneDNN at load, test_calibration_* below).
+    assert rows[0] == {0} and len(rows[1]) == 1 and SKINNY_ONE_PASS_ROWS <= min(rows[1]) <= MAX_ROWS
     outputs = [run_engine(e, prompts) for e in engines]
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 12 for tokens in outputs[1].values())
@@ -158,3 +161,19 @@ def test_bfloat16_engines_take_the_bf16_kernel_where_it_was_built(tmp_path):
     outputs = [run_engine(e, prompts) for e in engines]
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 12 for tokens in outputs[1].values())
+
+
+def test_calibration_keeps_the_tiles_up_to_the_first_probe_they_lose():
+    assert choose_skinny_rows({12: True, 16: True, 24: False, 32: True, 48: True}, 48) == 16
+    assert choose_skinny_rows({12: False, 16: True}, 48) == SKINNY_ONE_PASS_ROWS  # the one-pass rows always
+    assert choose_skinny_rows({12: True, 16: True, 24: True, 32: True, 48: True}, 48) == 48
+    assert choose_skinny_rows({12: True, 16: True, 24: True}, 16) == 16  # never above what the kernel serves
+    assert choose_skinny_rows({}, 4) == 4
+
+
+def test_calibration_times_both_kernels_at_every_probe_it_may_choose():
+    rows, timings = calibrate_skinny_rows(192, 96, 24)
+    assert [probe for probe, _, _ in timings] == [12, 16, 24]  # probes above max_rows are not timed
+    assert all(skinny > 0 and onednn > 0 for _, skinny, onednn in timings)
+    assert rows == choose_skinny_rows({m: a <= b for m, a, b in timings}, 24)
+    assert calibrate_skinny_rows(192, 96, 24) == (rows, timings)  # once per shape and process

@@ -14,10 +14,13 @@ Few rows (a decode step at low concurrency) go to one of tpserve's kernels inste
 layer's `small_batch_weight`, up to `small_batch_rows` rows (0 = never, and no such weight):
 - float32: `skinny_linear` (workers/csrc/skinny_linear.cpp) on the plain weight. 1-8 rows are
   bound by how fast the weights stream from memory, which oneDNN's GEMM does at about two thirds
-  of the speed that kernel reaches (1.3-1.5x slower, measured on a 2-core AMD EPYC over the
-  default model's projections), and 9-48 rows by FMAs, where its register tiles beat oneDNN by
-  1.05-1.16x. That costs a second copy of each projection weight (the plain one is kept beside
-  the packed one; an LM head tied to the embedding shares the table it already keeps).
+  of the speed that kernel reaches (1.3-1.8x slower, measured on 2-core AMD EPYCs, Zen 1 and
+  Zen 3, over the default model's projections). 9-48 rows are bound by FMAs, and there the CPU
+  decides: on Zen 1 (256-bit FMAs split in two) its register tiles beat oneDNN by 1.05-1.16x, on
+  Zen 3 oneDNN beat them by 1.2-1.5x (12-48 rows, 30 layers cache-cold). So above 8 rows the two
+  are timed against each other once per process at load (`calibrate_skinny_rows`). That costs a
+  second copy of each projection weight (the plain one is kept beside the packed one; an LM head
+  tied to the embedding shares the table it already keeps).
 - bf16 with AMX (a Xeon since Sapphire Rapids): `amx_linear` (workers/csrc/amx_linear.cpp) on a
   copy of the weight in AMX tile order, 1-64 rows: 1.3-1.9x oneDNN's speed at 1-32 rows, 1.0-1.2x
   at 48-64 (the file says how); the plain weight is then dropped like in the packed-only case.
@@ -28,7 +31,9 @@ layer's `small_batch_weight`, up to `small_batch_rows` rows (0 = never, and no s
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +62,57 @@ def small_batch_linear(x: torch.Tensor, small_batch_weight: torch.Tensor, bias: 
     if small_batch_weight.dim() == 4:
         return torch.ops.tpserve_cpu.amx_linear(x, small_batch_weight, bias)
     return torch.ops.tpserve_cpu.skinny_linear(x, small_batch_weight, bias)
+
+
+# Rows up to which skinny_linear runs its one-pass loop (workers/csrc/skinny_linear.cpp): bound by
+# streaming the weights, where it led oneDNN on every CPU measured, so it is never timed.
+SKINNY_ONE_PASS_ROWS = 8
+# Row counts at which skinny_linear's register tiles are timed against oneDNN at load.
+SKINNY_TILE_PROBES = (12, 16, 24, 32, 48)
+# Timed calls per kernel and probe (alternated; the fastest of each counts).
+CALIBRATION_REPEATS = 5
+
+
+def choose_skinny_rows(skinny_faster: dict[int, bool], max_rows: int) -> int:
+    """The largest probed row count up to which skinny_linear was faster at every probe, at
+    least the one-pass rows, at most max_rows (what the kernel serves)."""
+    rows = min(SKINNY_ONE_PASS_ROWS, max_rows)
+    for probe in sorted(skinny_faster):
+        if probe > max_rows or not skinny_faster[probe]:
+            break
+        rows = probe
+    return rows
+
+
+@functools.lru_cache(maxsize=None)
+def calibrate_skinny_rows(out_features: int, in_features: int, max_rows: int) -> tuple[int, tuple]:
+    """skinny_linear's row limit on this CPU for float32 weights of [out_features, in_features]
+    (a model's largest projection): both kernels timed at each probe row count on a random
+    weight. Returns (rows, ((probe, skinny s, oneDNN s), ...)). Once per shape and process."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+    faster, timings = {}, []
+    for probe in SKINNY_TILE_PROBES:
+        if probe > max_rows:
+            break
+        x = torch.randn(probe, in_features, generator=gen)
+        kernels = {"skinny": lambda: torch.ops.tpserve_cpu.skinny_linear(x, weight, None),
+                   "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+        best = dict.fromkeys(kernels, float("inf"))
+        for repeat in range(CALIBRATION_REPEATS + 1):  # the first of each is a warm-up
+            for name in (kernels if repeat % 2 else reversed(list(kernels))):
+                start = time.perf_counter()
+                kernels[name]()
+                if repeat:
+                    best[name] = min(best[name], time.perf_counter() - start)
+        faster[probe] = best["skinny"] <= best["onednn"]
+        timings.append((probe, best["skinny"], best["onednn"]))
+    rows = choose_skinny_rows(faster, max_rows)
+    logger.info("skinny_linear takes float32 batches of up to %d rows, oneDNN above (timed at load on a %d x %d "
+                "weight, rows: skinny / oneDNN ms: %s)", rows, out_features, in_features,
+                ", ".join(f"{m}: {1e3 * a:.2f} / {1e3 * b:.2f}" for m, a, b in timings))
+    return rows, tuple(timings)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -14,7 +14,7 @@ import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers import cpu_ops
-from workers.cpu_linear import amx_packable, can_prepack, prepack_linears
+from workers.cpu_linear import amx_packable, calibrate_skinny_rows, can_prepack, prepack_linears
 from workers.cuda_graph import CudaGraphRunner, make_graph_runner
 from workers.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, check_room_for_one_request, gpu_kv_budget,
                               kv_spec_for, num_blocks_for_budget)
@@ -57,7 +57,8 @@ class WorkerConfig:
     # CPU only: tpserve's own kernels for norms, rotary, SiLU, KV write and decode attention
     # (workers/cpu_ops.py), where they build on this machine.
     cpu_kernels: bool = True
-    # CPU, with prepacking and the kernels: batches of up to 48 rows (float32), 64 (bf16 with AMX:
+    # CPU, with prepacking and the kernels: batches of up to 8-48 rows (float32: 8, or up to 48
+    # where skinny_linear was timed faster than oneDNN at load), 64 (bf16 with AMX:
     # amx_linear on an AMX tile copy of each weight) or 8 (bf16 with AVX512-BF16 only) run a
     # small-batch kernel on a kept copy of each weight (workers/cpu_linear.py).
     cpu_small_batch_linear: bool = True
@@ -134,7 +135,15 @@ class WorkerCore:
             return 0, False
         ops = cpu_ops.ops()
         if cfg.dtype == torch.float32:
-            return int(ops.skinny_linear_max_rows()), False
+            max_rows = int(ops.skinny_linear_max_rows())
+            if max_rows == 0:
+                return 0, False
+            # Above its one-pass rows the faster kernel depends on the CPU: timed once per process.
+            largest = max((m.weight for m in model.layers[0].modules() if hasattr(m, "packed_weight")),
+                          key=lambda w: w.numel(), default=None)
+            if largest is None:
+                return max_rows, False
+            return calibrate_skinny_rows(largest.shape[0], largest.shape[1], max_rows)[0], False
         if cfg.dtype == torch.bfloat16:
             amx_rows = int(ops.amx_linear_max_rows())  # 0 without AMX
             if amx_rows and amx_packable(model):
