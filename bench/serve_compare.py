@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrencies", default="1,16,64", help="comma-separated stream counts")
     p.add_argument("--prompts-per-stream", type=int, default=4, help="prompts per level = this x streams (>= 8)")
     p.add_argument("--skip-offline", action="store_true", help="no offline LLMEngine vs LLM.generate column")
+    p.add_argument("--offline-only", action="store_true", help="only the offline column (no servers)")
     p.add_argument("--input-len-min", type=int, default=64)
     p.add_argument("--input-len-max", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         out["offline"] = run_offline(model_dir, args.model_dir is None, offline_reqs, tokenizer, args)
     starters = {"tpserve": lambda: start_tpserve(None if args.model_dir is None else model_dir, args),
                 "vllm": lambda: start_vllm(model_dir, args)}
-    starters = {name: start for name, start in starters.items() if name not in args.skip}
+    starters = {name: start for name, start in starters.items() if name not in args.skip and not args.offline_only}
     base_urls = {"tpserve": args.tpserve_base_url, "vllm": args.vllm_base_url}
     if args.rounds > 1:
         out.update(bench_rounds(starters, base_urls, workloads, args))
