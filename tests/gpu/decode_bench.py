@@ -88,7 +88,8 @@ def bench_batch(engine, batch_size: int, steps: int, seed: int) -> dict:
 
 def bench_prefill(engine, prompt_len: int, repeats: int = 3) -> dict:
     """One request alone, max_tokens 1: wall time from add_request to its first token through
-    `LLMEngine.step()` (the in-process TTFT; prefill steps run eagerly in both modes)."""
+    `LLMEngine.step()` (the in-process TTFT; with graphs, prefill steps replay token-row graphs
+    up to max_cuda_graph_tokens and the context-read cap, else run eagerly)."""
     from scheduler.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -287,6 +288,7 @@ def main() -> None:
         report["http"] = {}
         for name, eager in modes:
             for concurrency in (int(c) for c in args.http_concurrency.split(",")):
+                # 16 streams keep the plain mode name that device_check.sh's summary reads.
                 key = name if concurrency == 16 else f"{name}-c{concurrency}"
                 report["http"][key] = asyncio.run(http_load(path, args.dtype, eager, args.http_requests,
                                                             concurrency, max_tokens=64))
