@@ -99,12 +99,12 @@ class TpserveConfig(BaseModel):
     # g++) for the norms, rotary embedding, SiLU gate, KV write and a paged decode attention that
     # reads KV blocks in place. Where they cannot build, the torch ops run instead. Off = torch ops.
     cpu_kernels: bool = True
-    # CPU: decode batches of up to 48 rows (float32), 64 rows (bf16 on CPUs with AMX) or 8 rows
-    # (bf16, AVX512-BF16 without AMX) run a small-batch kernel (skinny_linear on a plain copy,
-    # amx_linear on an AMX tile copy of each projection weight) kept beside the packed one
-    # (float32: 1.3-1.5x faster projections at 1-8 rows, 1.05-1.16x at 9-48 on an AMD EPYC;
-    # bf16 on a Xeon: all projections 1.3-1.9x faster at 1-32 rows), for one more copy of the
-    # weights in memory (workers/cpu_linear.py). Off = packed GEMM only.
+    # CPU: projections run tpserve's own kernels on a copy of each weight laid out for them:
+    # float32 batches panel_linear (for as many rows as it was timed faster than oneDNN at load;
+    # on a Zen 3 EPYC every batch: 1.5-1.7x oneDNN's speed at 1-16 rows, 1.17x at 512-2048),
+    # bf16 on CPUs with AMX amx_linear up to 64 rows (1.3-1.9x at 1-32 rows on a Xeon), bf16 with
+    # AVX512-BF16 only skinny_linear up to 8 rows (workers/cpu_linear.py). Off = oneDNN's packed
+    # GEMM only.
     cpu_small_batch_linear: bool = True
     # CPU, float32: prefill chunks through the kernels' flash attention, which reads the paged
     # KV cache in place (1.5-3x torch's SDPA at 200-1000-token prompts on a 2-core AMD EPYC;

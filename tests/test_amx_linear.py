@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine_helpers import greedy, make_engine, run_engine
 from model_fixtures import make_tiny_llama
 from workers import cpu_ops
-from workers.cpu_linear import amx_packable, linear, prepack_linears
+from workers.cpu_linear import LAYOUT_AMX, linear, packable_in_sixteens, prepack_linears
 from workers.decoder import build_model
 from workers.model_config import ModelConfig
 from workers.parallel_state import SINGLE_RANK
@@ -82,10 +82,10 @@ def test_prepack_gives_every_projection_an_amx_copy_and_frees_unshared_plain_wei
     path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=tied)
     model = build_model(ModelConfig.from_pretrained(path), SINGLE_RANK, torch.bfloat16)
     model.load_weights(path)
-    assert amx_packable(model)
+    assert packable_in_sixteens(model)
     down = model.layers[0].mlp.down_proj.weight.detach().clone()
     embedding = model.embed_tokens.weight.detach().clone()
-    assert prepack_linears(model, small_batch_rows=AMX_ROWS, amx=True) == 2 * 4 + 1
+    assert prepack_linears(model, small_batch_rows=AMX_ROWS, layout=LAYOUT_AMX) == 2 * 4 + 1
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
     assert all(m.small_batch_rows == AMX_ROWS and m.small_batch_weight.dim() == 4 for m in layers)
     assert model.layers[0].mlp.down_proj.weight.numel() == 0, "no kernel reads the plain weight any more"

@@ -1,8 +1,8 @@
 """The CPU layer stack (workers/layer_stack.py, workers/csrc/layer_stack.cpp): the decoder's layer
 loop as one call into the kernels must give bit-identical hidden states to the Python loop it
 replaces, on every step an engine runs: decode-only steps, chunked prefills after cached context
-and prefix-cache hits, decode batches on the small-batch kernel (skinny_linear <= 48 rows, bf16
-amx_linear <= 64) and on the packed GEMM (more), with skinny_linear off, without prepacking
+and prefix-cache hits, projections on tpserve's kernels (float32 panel_linear up to its calibrated
+limit, bf16 amx_linear <= 64) and on the packed GEMM (more), with those kernels off, without prepacking
 (at::linear), with biases on every projection, with sliding windows, and in bf16 (where prefill chunks keep SDPA, called per chunk from C++). Models it
 cannot serve (sandwich norms, q/k norms) keep the Python loop, and the op refuses inputs that do
 not describe the layers it is given."""
@@ -81,16 +81,17 @@ def _run(path: str, requests: dict, **overrides) -> tuple[StackVsLoop, dict]:
 
 
 @pytest.mark.parametrize("overrides", [{}, {"cpu_small_batch_linear": False}, {"cpu_prepack_linear": False}],
-                         ids=["skinny+packed", "packed-only", "unpacked"])
+                         ids=["panel+packed", "packed-only", "unpacked"])
 def test_stack_equals_the_python_loop_on_every_step(tmp_path, overrides):
-    """Llama, head_dim 64 (the AVX2 attention tiles), 56 requests, a 64-token budget: decode steps
-    of 56 rows take the packed GEMM, steps of fewer rows skinny_linear; every step bit-identical."""
+    """Llama, head_dim 64 (the AVX2 attention tiles), 56 requests, a 64-token budget: steps of up
+    to 64 rows, which take panel_linear or the packed GEMM as the calibration at load decided
+    (packed-only: always the GEMM); every step bit-identical."""
     path = make_tiny_llama(tmp_path / "m", num_layers=3, head_dim=64, num_heads=6, num_kv_heads=2)
     # 8-token prompts: all 56 are decoding together long before the first finishes.
     requests = {f"w{i}": (list(range(300 + 8 * i, 308 + 8 * i)), greedy(24)) for i in range(56)}
     check, outputs = _run(path, requests, max_num_seqs=64, max_num_batched_tokens=64, **overrides)
     assert check.decode_only >= 3 and check.mixed >= 3 and check.fallback == 0
-    assert check.max_decode_rows == 56  # all 56 at once: above skinny_linear's 48 rows
+    assert check.max_decode_rows == 56  # all 56 at once
     assert all(len(tokens) == 24 for tokens in outputs.values())
 
 

@@ -1,5 +1,5 @@
-"""tpserve's CPU kernels (workers/csrc/cpu_ops.cpp; skinny_linear.cpp and amx_linear.cpp for the
-projections of small decode batches, prefill_attention.cpp, layer_stack.cpp, row_max.cpp for the
+"""tpserve's CPU kernels (workers/csrc/cpu_ops.cpp; panel_linear.cpp, skinny_linear.cpp and amx_linear.cpp
+for projections, prefill_attention.cpp, layer_stack.cpp, row_max.cpp for the
 sampler's argmax): built once per machine, then loaded as `torch.ops.tpserve_cpu.*`.
 
 Why our own kernels: a decode step of the default model ran ~6,000 eager torch calls; the norms,
@@ -29,7 +29,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / name for name in ("cpu_ops.cpp", "prefill_attention.cpp", "skinny_linear.cpp", "amx_linear.cpp",
+SOURCES = [_CSRC / name for name in ("cpu_ops.cpp", "prefill_attention.cpp", "skinny_linear.cpp", "panel_linear.cpp",
+                                          "amx_linear.cpp",
                                           "layer_stack.cpp", "row_max.cpp")]
 # Headers the sources include: torch's builder does not hash them, so extension_name does.
 HEADERS = [_CSRC / "vec.h"]

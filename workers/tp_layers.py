@@ -52,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         # Batches of up to this many rows take a small-batch kernel on small_batch_weight (0 = never).
         self.small_batch_rows = 0
-        # The weight as that kernel reads it (workers/cpu_linear.py): the plain one, or an AMX copy.
+        # The weight as that kernel reads it (workers/cpu_linear.py): the plain one, a panel or an AMX copy.
         self.small_batch_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int = 0) -> None:
@@ -119,7 +119,7 @@ class RowParallelLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         # Batches of up to this many rows take a small-batch kernel on small_batch_weight (0 = never).
         self.small_batch_rows = 0
-        # The weight as that kernel reads it (workers/cpu_linear.py): the plain one, or an AMX copy.
+        # The weight as that kernel reads it (workers/cpu_linear.py): the plain one, a panel or an AMX copy.
         self.small_batch_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int = 0) -> None:
@@ -174,7 +174,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_weight: torch.Tensor | None = None
         # Batches of up to this many rows take a small-batch kernel on small_batch_weight (0 = never).
         self.small_batch_rows = 0
-        # The weight as that kernel reads it (workers/cpu_linear.py): the plain one, or an AMX copy.
+        # The weight as that kernel reads it (workers/cpu_linear.py): the plain one, a panel or an AMX copy.
         self.small_batch_weight: torch.Tensor | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -14,7 +14,8 @@ import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers import cpu_ops
-from workers.cpu_linear import amx_packable, calibrate_skinny_rows, can_prepack, prepack_linears
+from workers.cpu_linear import (LAYOUT_AMX, LAYOUT_PANEL, LAYOUT_PLAIN, calibrate_panel_rows, can_prepack,
+                                packable_in_sixteens, prepack_linears)
 from workers.cuda_graph import CudaGraphRunner, make_graph_runner
 from workers.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, check_room_for_one_request, gpu_kv_budget,
                               kv_spec_for, num_blocks_for_budget)
@@ -57,10 +58,11 @@ class WorkerConfig:
     # CPU only: tpserve's own kernels for norms, rotary, SiLU, KV write and decode attention
     # (workers/cpu_ops.py), where they build on this machine.
     cpu_kernels: bool = True
-    # CPU, with prepacking and the kernels: batches of up to 8-48 rows (float32: 8, or up to 48
-    # where skinny_linear was timed faster than oneDNN at load), 64 (bf16 with AMX:
-    # amx_linear on an AMX tile copy of each weight) or 8 (bf16 with AVX512-BF16 only) run a
-    # small-batch kernel on a kept copy of each weight (workers/cpu_linear.py).
+    # CPU, with prepacking and the kernels: batches of up to as many rows as panel_linear was
+    # timed faster than oneDNN at load (float32, on a copy of each weight in panels; on a Zen 3
+    # every batch), 64 (bf16 with AMX: amx_linear on an AMX tile copy) or 8 (bf16 with
+    # AVX512-BF16 only: skinny_linear on the plain weight) run tpserve's own kernel
+    # (workers/cpu_linear.py).
     cpu_small_batch_linear: bool = True
     # CPU, float32, with the kernels: prefill chunks through the kernels' flash attention over
     # the paged cache (workers/csrc/prefill_attention.cpp) instead of torch's SDPA.
@@ -107,8 +109,8 @@ class WorkerCore:
         param_bytes = model.load_weights(cfg.model_path)
         self.cpu_kernels = cfg.cpu_kernels and self.device.type == "cpu" and cpu_ops.load()
         if cfg.cpu_prepack_linear and can_prepack(self.device, cfg.dtype):
-            rows, amx = self._small_batch_rows(model)
-            prepack_linears(model, small_batch_rows=rows, amx=amx)
+            rows, layout = self._small_batch_rows(model)
+            prepack_linears(model, small_batch_rows=rows, layout=layout)
         if self.cpu_kernels:
             model.use_cpu_kernels()
             if cfg.cpu_layer_stack:
@@ -127,29 +129,25 @@ class WorkerCore:
             budget_note=note,
         )
 
-    def _small_batch_rows(self, model: torch.nn.Module) -> tuple[int, bool]:
-        """Rows up to which projections take a small-batch kernel (0: off, or no such kernel
-        here), and whether that kernel is amx_linear (else skinny_linear)."""
+    def _small_batch_rows(self, model: torch.nn.Module) -> tuple[int, str]:
+        """Rows up to which projections take one of tpserve's kernels (0: off, or no such kernel
+        here), and the layout of the weight copy that kernel reads (cpu_linear.LAYOUT_*)."""
         cfg = self.config
         if not (cfg.cpu_small_batch_linear and self.cpu_kernels):
-            return 0, False
+            return 0, LAYOUT_PLAIN
         ops = cpu_ops.ops()
         if cfg.dtype == torch.float32:
-            max_rows = int(ops.skinny_linear_max_rows())
-            if max_rows == 0:
-                return 0, False
-            # Above its one-pass rows the faster kernel depends on the CPU: timed once per process.
-            largest = max((m.weight for m in model.layers[0].modules() if hasattr(m, "packed_weight")),
-                          key=lambda w: w.numel(), default=None)
-            if largest is None:
-                return max_rows, False
-            return calibrate_skinny_rows(largest.shape[0], largest.shape[1], max_rows)[0], False
+            shapes = tuple(tuple(m.weight.shape) for m in model.layers[0].modules() if hasattr(m, "packed_weight"))
+            if not shapes or not ops.panel_linear_available() or not packable_in_sixteens(model):
+                return 0, LAYOUT_PLAIN
+            # How far it beats oneDNN depends on the CPU: timed once per process.
+            return calibrate_panel_rows(shapes)[0], LAYOUT_PANEL
         if cfg.dtype == torch.bfloat16:
             amx_rows = int(ops.amx_linear_max_rows())  # 0 without AMX
-            if amx_rows and amx_packable(model):
-                return amx_rows, True
-            return int(ops.skinny_linear_max_rows_bf16()), False  # 0 without AVX512-BF16
-        return 0, False
+            if amx_rows and packable_in_sixteens(model):
+                return amx_rows, LAYOUT_AMX
+            return int(ops.skinny_linear_max_rows_bf16()), LAYOUT_PLAIN  # 0 without AVX512-BF16
+        return 0, LAYOUT_PLAIN
 
     def _cpu_prefill_attention(self) -> bool:
         """Whether prefill chunks take the kernels' flash attention: float32 only, where it was

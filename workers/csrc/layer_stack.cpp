@@ -18,9 +18,9 @@
 //   x           = linear(silu_and_mul(linear(h, gate_up)), down)
 // and returns (x, residual) of the last layer; the model's final norm adds them.
 // A linear takes its small-batch kernel up to small_batch_rows rows (amx_linear on an AMX tile
-// copy, skinny_linear on the plain weight), oneDNN's prepacked GEMM (mkldnn::_linear_pointwise)
-// above when a packed weight is given, else at::linear: workers/cpu_linear.py's linear(), decided
-// the same way.
+// copy, panel_linear on a float32 panel copy, skinny_linear on the plain bf16 weight), oneDNN's
+// prepacked GEMM (mkldnn::_linear_pointwise) above when a packed weight is given, else
+// at::linear: workers/cpu_linear.py's linear(), decided the same way.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -68,6 +68,7 @@ struct Ops {
                                 const at::Tensor&, const at::Tensor&, double, int64_t, double)>
       prefill_attention;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> skinny_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> panel_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> amx_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view,
                                       c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>
@@ -94,6 +95,7 @@ struct Ops {
                           const at::Tensor&, double, int64_t, double)>(),
           find("tpserve_cpu::skinny_linear")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
+          find("tpserve_cpu::panel_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
           find("tpserve_cpu::amx_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
           find("mkldnn::_linear_pointwise")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view,
@@ -105,13 +107,17 @@ struct Ops {
 };
 
 // workers/cpu_linear.py's linear(): the small-batch kernel up to small_rows rows (amx_linear on
-// a 4-D AMX tile copy, skinny_linear on a plain weight; 0 rows: never), the packed GEMM when there
+// a 4-D AMX tile copy, panel_linear on a 3-D panel copy, skinny_linear on a plain weight; 0 rows:
+// never), the packed GEMM when there
 // is a packed weight, at::linear on the plain weight otherwise. `w` yields the projection's slots.
 template <typename Slot>
 at::Tensor project(const Ops& ops, const at::Tensor& x, Slot&& w, int64_t small_rows) {
   const OptTensor packed = w(kPacked), small = w(kSmall), bias = w(kBias);
-  if (packed.has_value() && small.has_value() && x.size(0) <= small_rows)
-    return small->dim() == 4 ? ops.amx_linear.call(x, *small, bias) : ops.skinny_linear.call(x, *small, bias);
+  if (packed.has_value() && small.has_value() && x.size(0) <= small_rows) {
+    if (small->dim() == 4) return ops.amx_linear.call(x, *small, bias);
+    if (small->dim() == 3) return ops.panel_linear.call(x, *small, bias);
+    return ops.skinny_linear.call(x, *small, bias);
+  }
   if (packed.has_value()) return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
   const OptTensor weight = w(kWeight);
   TORCH_CHECK(weight.has_value(), "layer_stack: a projection has neither a plain nor a packed weight");

@@ -1,0 +1,139 @@
+"""The float32 projection kernel (workers/csrc/panel_linear.cpp): F.linear's numbers at every row
+count its register tiles split into (1-6 rows and every remainder past a tile of 6), odd K,
+strided rows and biases; the panel packing; refusals; linear() routing; prepack_linears' panel
+copies; the calibration against oneDNN at load; an engine's tokens with the kernel on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_helpers import greedy, make_engine, run_engine
+from model_fixtures import make_tiny_llama
+from workers import cpu_ops
+from workers.cpu_linear import (LAYOUT_PANEL, PANEL_ALL_ROWS, PANEL_PROBES, calibrate_panel_rows, can_prepack,
+                                choose_panel_rows, linear, prepack_linears)
+from workers.decoder import build_model
+from workers.model_config import ModelConfig
+from workers.parallel_state import SINGLE_RANK
+
+AVAILABLE = cpu_ops.load() and bool(cpu_ops.ops().panel_linear_available())
+pytestmark = pytest.mark.skipif(not AVAILABLE or not can_prepack(torch.device("cpu"), torch.float32),
+                                reason="needs tpserve's CPU kernels built with AVX2 + FMA, and oneDNN")
+
+
+def _panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.tpserve_cpu.panel_linear(x, torch.ops.tpserve_cpu.panel_pack_weight(w), b)
+
+
+@pytest.mark.parametrize("rows", [*range(1, 14), 16, 17, 48, 64, 301])
+@pytest.mark.parametrize("k, n", [(576, 960), (40, 96), (37, 32), (1536, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_equals_f_linear(rows, k, n, bias):
+    """Rows 1-6 (one tile), 7-13 (a full tile of 6 and each remainder), up to 301 (many tiles, a
+    prefill chunk); K of any size (37: no vector tail to get wrong), N of one panel or many."""
+    torch.manual_seed(rows * 1000 + k + n)
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    torch.testing.assert_close(_panel(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_panel_pack_weight_puts_sixteen_outputs_per_line_of_k():
+    w = torch.arange(32 * 5, dtype=torch.float32).view(32, 5)
+    packed = torch.ops.tpserve_cpu.panel_pack_weight(w)
+    assert packed.shape == (2, 5, 16)
+    assert torch.equal(packed, w.view(2, 16, 5).transpose(1, 2))
+
+
+def test_panel_linear_takes_strided_rows_and_refuses_what_it_cannot_do():
+    torch.manual_seed(0)
+    w = torch.randn(64, 48)
+    packed = torch.ops.tpserve_cpu.panel_pack_weight(w)
+    for count in (3, 13):  # one tile; two tiles and a remainder
+        rows = torch.randn(count, 100)[:, 10:58]  # rows 100 floats apart
+        torch.testing.assert_close(torch.ops.tpserve_cpu.panel_linear(rows, packed, None), F.linear(rows, w),
+                                   rtol=1e-5, atol=1e-4)
+    columns = torch.randn(48, 3).t()  # non-contiguous along K: copied first
+    torch.testing.assert_close(torch.ops.tpserve_cpu.panel_linear(columns, packed, None), F.linear(columns, w),
+                               rtol=1e-5, atol=1e-4)
+    assert torch.ops.tpserve_cpu.panel_linear(torch.randn(0, 48), packed, None).shape == (0, 64)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.tpserve_cpu.panel_pack_weight(torch.randn(33, 48))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.tpserve_cpu.panel_pack_weight(torch.randn(32, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="K = 48"):
+        torch.ops.tpserve_cpu.panel_linear(torch.randn(2, 47), packed, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.tpserve_cpu.panel_linear(torch.randn(2, 48), packed, torch.randn(63))
+    with pytest.raises(RuntimeError, match="as panel_pack_weight returns it"):
+        torch.ops.tpserve_cpu.panel_linear(torch.randn(2, 48), w, None)
+
+
+def test_linear_sends_only_batches_up_to_the_limit_to_the_small_batch_weight():
+    """linear() with small_batch_rows: up to that many rows read the panel copy (proved by handing
+    it one of another weight), more rows the packed GEMM, and 0 rows of limit never."""
+    torch.manual_seed(1)
+    w, other = torch.randn(32, 24), torch.randn(32, 24)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    panels = torch.ops.tpserve_cpu.panel_pack_weight(other)
+    four, five = torch.randn(4, 24), torch.randn(5, 24)
+    torch.testing.assert_close(linear(four, w, None, packed, 4, panels), F.linear(four, other), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(five, w, None, packed, 4, panels), F.linear(five, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(four, w, None, packed, 0, panels), F.linear(four, w), rtol=1e-5, atol=1e-4)
+
+
+def test_prepack_makes_panel_copies_and_drops_the_plain_weights_no_one_else_reads(tmp_path):
+    """Untied: every projection's plain weight is freed once its panel copy exists. Tied: the LM
+    head's is the embedding table, which the embedding still reads, so it stays."""
+    for tied in (False, True):
+        path = make_tiny_llama(tmp_path / f"m{tied}", num_layers=2, tie_word_embeddings=tied)
+        model = build_model(ModelConfig.from_pretrained(path), SINGLE_RANK, torch.float32)
+        model.load_weights(path)
+        down = model.layers[0].mlp.down_proj.weight.detach().clone()
+        assert prepack_linears(model, small_batch_rows=64, layout=LAYOUT_PANEL) == 2 * 4 + 1
+        layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
+        assert all(m.small_batch_rows == 64 and m.packed_weight is not None and m.small_batch_weight.dim() == 3
+                   for m in layers)
+        assert torch.equal(model.layers[0].mlp.down_proj.small_batch_weight,
+                           torch.ops.tpserve_cpu.panel_pack_weight(down))
+        assert model.layers[0].mlp.down_proj.weight.numel() == 0
+        assert (model.lm_head.weight.numel() > 0) == tied
+        assert model.embed_tokens.weight.numel() > 0
+
+
+def test_engine_tokens_are_the_same_with_and_without_the_panel_kernel(tmp_path):
+    """Decode batches of 1-4 rows and prefill chunks in one run; the workers' layers say which
+    path they were given (with the kernel: one calibrated limit for every layer)."""
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=True)
+    prompts = {f"r{i}": (list(range(3 + i, 40 + 7 * i)), greedy(12)) for i in range(4)}
+    engines = [make_engine(path, cpu_small_batch_linear=on) for on in (False, True)]
+    layers = [[m for m in e.executor.worker.model.modules() if hasattr(m, "packed_weight")] for e in engines]
+    rows = [{m.small_batch_rows for m in group} for group in layers]
+    assert rows[0] == {0} and len(rows[1]) == 1
+    assert {m.small_batch_weight is None for m in layers[0]} == {True}
+    if rows[1] != {0}:  # the calibration may, on some CPU, find oneDNN faster even at 4 rows
+        assert {m.small_batch_weight.dim() for m in layers[1]} == {3}
+    outputs = [run_engine(e, prompts) for e in engines]
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 12 for tokens in outputs[1].values())
+
+
+def test_calibration_keeps_the_kernel_up_to_the_first_probe_it_loses():
+    assert choose_panel_rows({4: True, 16: True, 64: False, 256: True}) == 16
+    assert choose_panel_rows({4: False}) == 0
+    assert choose_panel_rows({4: True, 16: True, 64: True, 256: True, 1024: True}) == PANEL_ALL_ROWS
+    assert choose_panel_rows({}) == 0
+
+
+def test_calibration_times_both_kernels_until_the_first_loss():
+    shapes = ((192, 96), (32, 48))
+    rows, timings = calibrate_panel_rows(shapes)
+    probes = [probe for probe, _, _ in timings]
+    assert probes == list(PANEL_PROBES[: len(probes)])
+    assert all(panel > 0 and onednn > 0 for _, panel, onednn in timings)
+    won = {m: a <= b for m, a, b in timings}
+    assert all(won[m] for m in probes[:-1])  # it stops at the first loss, never past it
+    assert len(probes) == len(PANEL_PROBES) or not won[probes[-1]]
+    assert rows == choose_panel_rows(won)
+    assert calibrate_panel_rows(shapes) == (rows, timings)  # once per set of shapes and process
