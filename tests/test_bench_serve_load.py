@@ -170,27 +170,44 @@ def test_bench_dtype_auto_is_the_engines_auto_on_this_cpu(monkeypatch):
     assert concrete_dtype("bfloat16") == "bfloat16"
 
 
+def test_workloads_differ_between_levels_and_rounds():
+    """No level or round repeats another's prompts (a prefix cache would answer them), and a
+    level in a round is the same list for both servers (built once)."""
+    from types import SimpleNamespace
+
+    from bench.serve_compare import make_workloads
+
+    tok = _tiny_tokenizer()
+    args = SimpleNamespace(prompts_per_stream=1, input_len_min=10, input_len_max=30, output_len=8, seed=0)
+    first, second = make_workloads(tok, [1, 16], args, 0), make_workloads(tok, [1, 16], args, 1)
+    prompts = [[r.prompt for r in w[c]] for w in (first, second) for c in (1, 16)]
+    assert all(len(p) == len(set(p)) for p in prompts)
+    every = [p for level in prompts for p in level]
+    assert len(set(every)) == len(every)
+    assert [r.prompt for r in make_workloads(tok, [16], args, 1)[16]] == prompts[3]
+
+
 def test_alternate_rounds_swaps_the_order_and_averages_each_level():
     from bench.serve_compare import alternate_rounds
 
     calls = []
     figures = iter([100.0, 50.0, 70.0, 150.0])  # tpserve 100, vllm 50 in round 0; vllm 70, tpserve 150 in round 1
 
-    def run_levels(name, url):
-        calls.append(name)
+    def run_levels(name, url, round_index):
+        calls.append((name, round_index))
         value = next(figures)
         return {"16": {"output_token_throughput": value, "median_ttft_ms": value / 10, "median_tpot_ms": 1.0,
                        "completed": 4, "failed": 0}, "server_log": "x"}
 
     out = alternate_rounds({"tpserve": "t", "vllm": "v"}, 2, run_levels)
-    assert calls == ["tpserve", "vllm", "vllm", "tpserve"]
+    assert calls == [("tpserve", 0), ("vllm", 0), ("vllm", 1), ("tpserve", 1)]
     assert out["tpserve"]["16"]["output_token_throughput"] == 125.0 and out["vllm"]["16"]["output_token_throughput"] == 60.0
     assert out["tpserve"]["16"]["median_ttft_ms"] == 12.5 and out["tpserve"]["16"]["completed"] == 8
     assert [r["16"]["output_token_throughput"] for r in out["vllm"]["rounds"]] == [50.0, 70.0]
     # A level one round did not complete is reported as such, not averaged.
     outcomes = iter([{"16": {"output_token_throughput": 9.0, "median_ttft_ms": 1.0, "median_tpot_ms": 1.0,
                              "completed": 4}}, {"16": {"completed": 0}}])
-    broken = alternate_rounds({"tpserve": "t"}, 2, lambda name, url: next(outcomes))
+    broken = alternate_rounds({"tpserve": "t"}, 2, lambda name, url, r: next(outcomes))
     assert broken["tpserve"]["16"]["completed"] == 0 and "error" in broken["tpserve"]["16"]
 
 

@@ -102,6 +102,23 @@ def test_prepack_makes_panel_copies_and_drops_the_plain_weights_no_one_else_read
         assert model.embed_tokens.weight.numel() > 0
 
 
+def test_a_kernel_that_takes_every_batch_gets_no_onednn_copy(tmp_path):
+    """With PANEL_ALL_ROWS no batch reaches oneDNN, so no packed copy is made; linear() then takes
+    the panel copy at any row count, 0 rows and rows under leading dims included."""
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=False)
+    model = build_model(ModelConfig.from_pretrained(path), SINGLE_RANK, torch.float32)
+    model.load_weights(path)
+    o_proj = model.layers[0].self_attn.o_proj
+    plain = o_proj.weight.detach().clone()
+    prepack_linears(model, small_batch_rows=PANEL_ALL_ROWS, layout=LAYOUT_PANEL)
+    layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    assert all(m.packed_weight is None and m.small_batch_weight.dim() == 3 and m.weight.numel() == 0
+               for m in layers)
+    for shape in ((0, plain.size(1)), (700, plain.size(1)), (2, 3, plain.size(1))):
+        x = torch.randn(shape)
+        torch.testing.assert_close(o_proj(x), F.linear(x, plain), rtol=1e-5, atol=1e-4)
+
+
 def test_engine_tokens_are_the_same_with_and_without_the_panel_kernel(tmp_path):
     """Decode batches of 1-4 rows and prefill chunks in one run; the workers' layers say which
     path they were given (with the kernel: one calibrated limit for every layer)."""

@@ -8,7 +8,7 @@ default model's 30 layers of distinct (cache-cold) weights, bf16, per pass over 
 bit-identical to `F.linear`; float32 ones agree to 1e-5 (F.linear sums a single row in another
 order). Checked in tests/test_cpu_linear.py, with an engine's greedy tokens equal either way.
 
-A layer holds `packed_weight` (None = plain `F.linear`); `linear()` dispatches on it.
+A layer holds `packed_weight` (None = plain `F.linear`, or no batch reaches it); `linear()` dispatches on it.
 
 Batches of up to `small_batch_rows` rows (0 = never, and no such weight) go to one of tpserve's
 kernels instead, on the layer's `small_batch_weight`, a copy of the weight laid out for it:
@@ -17,9 +17,8 @@ kernels instead, on the layer's `small_batch_weight`, a copy of the weight laid 
   (cache-cold), it ran 1.3-1.6x oneDNN's speed at 1-8 rows (bound by the weight stream), 1.69x at
   16, 1.28x at 64 and 1.17x at 512-2048 rows. The CPU decides how far that holds, so the two are
   timed against each other once per process at load (`calibrate_panel_rows`); where the kernel
-  wins every probe it takes every batch. oneDNN's copy is then unused but kept (537 MB for the
-  default model: memory is not what limits these machines, and linear()'s other paths stay as
-  they are). The plain weight is dropped as in the packed-only case.
+  wins every probe it takes every batch, and no oneDNN copy is made (513 MiB less for the default
+  model). The plain weight is dropped as in the packed-only case.
 - bf16 with AMX (a Xeon since Sapphire Rapids): `amx_linear` (workers/csrc/amx_linear.cpp) on a
   copy of the weight in AMX tile order, 1-64 rows: 1.3-1.9x oneDNN's speed at 1-32 rows, 1.0-1.2x
   at 48-64 (the file says how); the plain weight is then dropped like in the packed-only case.
@@ -48,22 +47,25 @@ PACK_BATCH_HINT = 64
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed_weight: torch.Tensor | None, small_batch_rows: int = 0,
            small_batch_weight: torch.Tensor | None = None) -> torch.Tensor:
+    if small_batch_weight is not None and x.numel() <= small_batch_rows * x.size(-1):
+        return small_batch_linear(x, small_batch_weight, bias)
     if packed_weight is None:
         return F.linear(x, weight, bias)
-    if small_batch_weight is not None and x.dim() == 2 and 0 < x.size(0) <= small_batch_rows:
-        return small_batch_linear(x, small_batch_weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 def small_batch_linear(x: torch.Tensor, small_batch_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel the small-batch weight is laid out for: AMX tile order is 4-D
     ([N/16, K/32, 16, 32], amx_linear), float32 panels 3-D ([N/16, K, 16], panel_linear), a plain
-    bf16 weight 2-D (skinny_linear)."""
+    bf16 weight 2-D (skinny_linear). The kernels take [M, K]: leading dims are flattened."""
+    rows = x.reshape(-1, x.size(-1))
     if small_batch_weight.dim() == 4:
-        return torch.ops.tpserve_cpu.amx_linear(x, small_batch_weight, bias)
-    if small_batch_weight.dim() == 3:
-        return torch.ops.tpserve_cpu.panel_linear(x, small_batch_weight, bias)
-    return torch.ops.tpserve_cpu.skinny_linear(x, small_batch_weight, bias)
+        y = torch.ops.tpserve_cpu.amx_linear(rows, small_batch_weight, bias)
+    elif small_batch_weight.dim() == 3:
+        y = torch.ops.tpserve_cpu.panel_linear(rows, small_batch_weight, bias)
+    else:
+        y = torch.ops.tpserve_cpu.skinny_linear(rows, small_batch_weight, bias)
+    return y.view(*x.shape[:-1], y.size(-1))
 
 
 # Layouts of the small-batch weight, by kernel (prepack_linears' `layout`).
@@ -151,7 +153,8 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = LAYOUT_PLAIN) -> int:
-    """Pack the weight of every layer that has a `packed_weight` slot; returns how many.
+    """Pack the weight of every layer that has a `packed_weight` slot (for oneDNN, unless
+    panel_linear takes every batch); returns how many.
 
     small_batch_rows > 0 (tpserve's CPU kernels loaded, the dtype one of theirs: the caller
     checks): batches of up to that many rows run a small-batch kernel on `small_batch_weight`,
@@ -167,14 +170,18 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
     packable_ids = {id(m) for m in layers}
     shared = {p.data_ptr() for m in model.modules() if id(m) not in packable_ids
               for p in m.parameters(recurse=False)}
+    # panel_linear taking every batch leaves no batch for oneDNN: no copy for it.
+    onednn = not (layout == LAYOUT_PANEL and small_batch_rows == PANEL_ALL_ROWS)
     extra_bytes = 0
     for layer in layers:
         weight = layer.weight
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        if onednn:
+            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         layer.small_batch_rows = small_batch_rows
         if pack_small is not None:
             layer.small_batch_weight = pack_small(weight.detach())
-            extra_bytes += layer.small_batch_weight.numel() * layer.small_batch_weight.element_size()
+            if onednn:
+                extra_bytes += layer.small_batch_weight.numel() * layer.small_batch_weight.element_size()
         elif small_batch_rows > 0:
             layer.small_batch_weight = weight.detach()
             if weight.data_ptr() not in shared:

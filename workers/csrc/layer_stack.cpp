@@ -32,7 +32,8 @@
 namespace {
 
 // Tensors per projection, in this order: the plain weight, oneDNN's packed one, the small-batch
-// kernel's (cpu_linear.py's small_batch_weight), the bias; any but one of the first two may be None.
+// kernel's (cpu_linear.py's small_batch_weight), the bias; any but one of the first three may be
+// None (a small-batch kernel that takes every batch leaves no packed one).
 enum LinearSlot : int64_t { kWeight, kPacked, kSmall, kBias, kSlotsPerLinear };
 
 // Tensors per layer in the flat weight list, in this order (workers/layer_stack.py builds it):
@@ -107,13 +108,13 @@ struct Ops {
 };
 
 // workers/cpu_linear.py's linear(): the small-batch kernel up to small_rows rows (amx_linear on
-// a 4-D AMX tile copy, panel_linear on a 3-D panel copy, skinny_linear on a plain weight; 0 rows:
-// never), the packed GEMM when there
-// is a packed weight, at::linear on the plain weight otherwise. `w` yields the projection's slots.
+// a 4-D AMX tile copy, panel_linear on a 3-D panel copy, skinny_linear on a plain weight; a limit
+// of 0: never), the packed GEMM when there is a packed weight, at::linear on the plain weight
+// otherwise. `w` yields the projection's slots.
 template <typename Slot>
 at::Tensor project(const Ops& ops, const at::Tensor& x, Slot&& w, int64_t small_rows) {
   const OptTensor packed = w(kPacked), small = w(kSmall), bias = w(kBias);
-  if (packed.has_value() && small.has_value() && x.size(0) <= small_rows) {
+  if (small.has_value() && x.size(0) <= small_rows) {
     if (small->dim() == 4) return ops.amx_linear.call(x, *small, bias);
     if (small->dim() == 3) return ops.panel_linear.call(x, *small, bias);
     return ops.skinny_linear.call(x, *small, bias);
