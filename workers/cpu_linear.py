@@ -8,13 +8,14 @@ default model's 30 layers of distinct (cache-cold) weights, bf16, per pass over 
 bit-identical to `F.linear`; float32 ones agree to 1e-5 (F.linear sums a single row in another
 order). Checked in tests/test_cpu_linear.py, with an engine's greedy tokens equal either way.
 
-A layer holds `packed_weight` (None = plain `F.linear`, or no batch reaches it); `linear()` dispatches on it.
+A layer holds `packed_weight` (None = plain `F.linear`, or no batch reaches oneDNN); `linear()`
+dispatches on it.
 
 Batches of up to `small_batch_rows` rows (0 = never, and no such weight) go to one of tpserve's
 kernels instead, on the layer's `small_batch_weight`, a copy of the weight laid out for it:
 - float32: `panel_linear` (workers/csrc/panel_linear.cpp) on a copy packed in panels of 16 output
   features. On a 2-core AMD EPYC Zen 3, over the default model's 30 layers of projections
-  (cache-cold), it ran 1.3-1.6x oneDNN's speed at 1-8 rows (bound by the weight stream), 1.69x at
+  (cache-cold), it ran 1.5-1.65x oneDNN's speed at 1-8 rows (bound by the weight stream), 1.69x at
   16, 1.28x at 64 and 1.17x at 512-2048 rows. The CPU decides how far that holds, so the two are
   timed against each other once per process at load (`calibrate_panel_rows`); where the kernel
   wins every probe it takes every batch, and no oneDNN copy is made (513 MiB less for the default
@@ -102,8 +103,8 @@ def choose_panel_rows(panel_faster: dict[int, bool]) -> int:
 def calibrate_panel_rows(shapes: tuple[tuple[int, int], ...]) -> tuple[int, tuple]:
     """panel_linear's row limit on this CPU for float32 projections of the given [out, in] shapes
     (one layer's): both kernels timed at each probe row count, a pass running every shape over
-    copies of random weights that add up to CALIBRATION_BYTES (at most CALIBRATION_MAX_COPIES). Returns (rows, ((probe, panel s,
-    oneDNN s), ...)). Once per set of shapes and process."""
+    copies of random weights that add up to CALIBRATION_BYTES (at most CALIBRATION_MAX_COPIES).
+    Returns (rows, ((probe, panel s, oneDNN s), ...)). Once per set of shapes and process."""
     gen = torch.Generator().manual_seed(0)
     layer_bytes = 4 * sum(n * k for n, k in shapes)
     copies = max(1, min(CALIBRATION_MAX_COPIES, CALIBRATION_BYTES // max(1, layer_bytes)))
@@ -194,6 +195,8 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
         rows = "every batch" if small_batch_rows == PANEL_ALL_ROWS else f"batches of up to {small_batch_rows} rows"
         logger.info("kept a copy of each projection weight beside the packed one for %s (%s): %.0f MiB more",
                     rows, kernel, extra_bytes / 2**20)
+    elif not onednn:
+        logger.info("panel_linear takes every batch: its panel copies replace the projection weights, no oneDNN copy")
     return len(layers)
 
 

@@ -6,16 +6,18 @@
 // with 32, 114 with 64 and ~142 at 512-2048, against this CPU's ~160 GFLOP/s of FMAs; a decode
 // step at 16 requests spent 57 of its 85 ms there. This kernel ran the same passes at 116 / 125 /
 // 147 / 166 GFLOP/s (1.69x / 1.33x / 1.28x / 1.17x oneDNN's speed), and at 1-8 rows, where the
-// weight stream from memory bounds it, as fast as skinny_linear's one-pass loop (1.3-1.6x oneDNN).
-// (skinny_linear's float32 register tiles, which this replaces, ran 9-48 rows at 52-64 GFLOP/s:
-// GCC kept their accumulator array on the stack.)
+// weight stream from memory bounds it, as fast as skinny_linear's one-pass loop (1.5-1.65x oneDNN).
+// skinny_linear's float32 register tiles, which this replaces, ran 9-48 rows at 52-64 GFLOP/s; a
+// first version of this kernel written like them, with an `__m256 acc[R][2]` array, ran at the
+// same speed, and objdump showed why: GCC stored the array to the stack on every k step.
 //
 // Loop shape (BLIS's): each parallel task owns whole panels, and takes the x rows in blocks of 192
-// (a prefill chunk's) past all of them. Within a panel, the x rows go by in tiles of up to 6: a 6 x 16 register tile of accumulators (12 ymm), two weight vectors and one
-// broadcast x value per k, so 8 loads feed 12 FMAs, which two loads a cycle keep up with. The
-// panel (K x 64 bytes: 36-96 KB for the default model) stays in L2 across the row tiles; while the
-// first row tile runs, the next panel is prefetched into L2, one line per k. The accumulators are
-// named scalars, not an array: GCC keeps those in registers.
+// (a prefill chunk's) past all of them. Within a panel, the x rows go by in tiles of up to 6: a
+// 6 x 16 register tile of accumulators (12 ymm), two weight vectors and one broadcast x value per
+// k, so 8 loads feed 12 FMAs, which two loads a cycle keep up with. The panel (K x 64 bytes: 36-96
+// KB for the default model) stays in L2 across the row tiles; while the first row tile runs, the
+// next panel is prefetched into L2, one line per k. The accumulators are named scalars, not an
+// array: GCC keeps those in registers.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
