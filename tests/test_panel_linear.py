@@ -58,6 +58,11 @@ def test_panel_linear_takes_strided_rows_and_refuses_what_it_cannot_do():
     torch.testing.assert_close(torch.ops.tpserve_cpu.panel_linear(columns, packed, None), F.linear(columns, w),
                                rtol=1e-5, atol=1e-4)
     assert torch.ops.tpserve_cpu.panel_linear(torch.randn(0, 48), packed, None).shape == (0, 64)
+    # A packed copy one float past an aligned start (a view at an offset): the kernel's aligned
+    # loads would fault, so it refuses.
+    shifted = torch.empty(packed.numel() + 1)[1:].view(packed.shape).copy_(packed)
+    with pytest.raises(RuntimeError, match="32-byte aligned"):
+        torch.ops.tpserve_cpu.panel_linear(torch.randn(7, 48), shifted, None)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.tpserve_cpu.panel_pack_weight(torch.randn(33, 48))
     with pytest.raises(RuntimeError, match="float32"):
@@ -154,3 +159,13 @@ def test_calibration_times_both_kernels_until_the_first_loss():
     assert len(probes) == len(PANEL_PROBES) or not won[probes[-1]]
     assert rows == choose_panel_rows(won)
     assert calibrate_panel_rows(shapes) == (rows, timings)  # once per set of shapes and process
+
+
+def test_projection_kernels_bench_reports_both_kernels_per_row_count():
+    from bench.projection_kernels import time_kernels
+
+    out = time_kernels([3, 7], layers=2, repeats=1, shapes=((32, 16), (16, 32)))
+    assert set(out) == {"3", "7"}
+    for row in out.values():
+        assert row["panel_linear"]["gflops"] > 0 and row["onednn"]["gflops"] > 0
+        assert row["onednn_over_panel_time"] > 0

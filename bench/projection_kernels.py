@@ -1,0 +1,72 @@
+"""float32 projection kernels side by side: tpserve's panel_linear against oneDNN's prepacked GEMM,
+over the default model's projection shapes for 30 layers of distinct random weights (cache-cold,
+as in a step), alternated, fastest of `--repeats` passes per kernel and row count.
+
+    .venv/bin/python -m bench.projection_kernels                      # rows 1,4,8,16,32,64,256
+    .venv/bin/python -m bench.projection_kernels --rows 512,1024 --layers 6
+
+Prints one JSON object: per row count each kernel's ms per pass and GFLOP/s, and oneDNN's time over
+panel_linear's (> 1: panel_linear faster). The README's panel_linear table came from this loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+# The default model's per-layer projections, [out, in]: fused QKV, O, fused gate-up, down.
+DEFAULT_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def time_kernels(rows: list[int], layers: int, repeats: int, shapes=DEFAULT_SHAPES) -> dict:
+    weights = [torch.randn(n, k) for _ in range(layers) for n, k in shapes]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    panels = [torch.ops.tpserve_cpu.panel_pack_weight(w) for w in weights]
+    in_features = [k for _ in range(layers) for _, k in shapes]
+    del weights
+    flops_per_row = 2 * layers * sum(n * k for n, k in shapes)
+    out = {}
+    for m in rows:
+        xs = {k: torch.randn(m, k) for k in set(in_features)}
+        kernels = {
+            "panel_linear": lambda: [torch.ops.tpserve_cpu.panel_linear(xs[k], w, None)
+                                     for w, k in zip(panels, in_features)],
+            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+                               for w, k in zip(onednn, in_features)],
+        }
+        best = dict.fromkeys(kernels, float("inf"))
+        for repeat in range(repeats + 1):  # the first pass of each is a warm-up
+            for name in (list(kernels) if repeat % 2 else list(kernels)[::-1]):
+                start = time.perf_counter()
+                kernels[name]()
+                if repeat:
+                    best[name] = min(best[name], time.perf_counter() - start)
+        out[str(m)] = {**{name: {"ms": round(1e3 * s, 2), "gflops": round(flops_per_row * m / s / 1e9, 1)}
+                          for name, s in best.items()},
+                       "onednn_over_panel_time": round(best["onednn"] / best["panel_linear"], 3)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1,4,8,16,32,64,256", help="comma-separated row counts")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=6)
+    args = p.parse_args(argv)
+    from workers import cpu_ops
+
+    if not cpu_ops.load() or not cpu_ops.ops().panel_linear_available():
+        print(json.dumps({"error": "tpserve's CPU kernels with panel_linear (AVX2 + FMA) are not available here"}))
+        return 1
+    result = time_kernels([int(r) for r in args.rows.split(",")], args.layers, args.repeats)
+    print(json.dumps({"threads": torch.get_num_threads(), "layers": args.layers, "shapes": DEFAULT_SHAPES,
+                      "rows": result}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
