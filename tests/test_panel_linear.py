@@ -164,7 +164,9 @@ def test_calibration_times_both_kernels_until_the_first_loss():
 def test_projection_kernels_bench_reports_both_kernels_per_row_count():
     from bench.projection_kernels import time_kernels
 
-    out = time_kernels([3, 7], layers=2, repeats=1, shapes=((32, 16), (16, 32)))
+    # Shapes large enough that a pass's GFLOP/s is not rounded to 0.0 even on a loaded machine
+    # (2 x 7 rows x 2 layers x 98k weights: 2.8 MFLOP; 0.1 GFLOP/s would be 28 ms).
+    out = time_kernels([3, 7], layers=2, repeats=1, shapes=((256, 256), (128, 256)))
     assert set(out) == {"3", "7"}
     for row in out.values():
         assert row["panel_linear"]["gflops"] > 0 and row["onednn"]["gflops"] > 0
