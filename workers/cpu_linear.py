@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers import huge_pages
+
 logger = logging.getLogger(__name__)
 
 # oneDNN blocks the packed layout for a typical row count; any count works with it, and a hint
@@ -190,6 +192,10 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
         if weight.data_ptr() not in shared and (small_batch_rows == 0 or pack_small is not None):
             # Keep the parameter (its dtype and name stay visible) but free its storage.
             weight.data = torch.empty(0, dtype=weight.dtype)
+    if pack_small is not None:
+        # The packed copies are what every step streams through: on 2 MB pages (huge_pages.py).
+        for layer, moved in zip(layers, huge_pages.move_to_huge_pages([m.small_batch_weight for m in layers])):
+            layer.small_batch_weight = moved
     if extra_bytes:
         kernel = {LAYOUT_AMX: "amx_linear", LAYOUT_PANEL: "panel_linear", LAYOUT_PLAIN: "skinny_linear"}[layout]
         rows = "every batch" if small_batch_rows == PANEL_ALL_ROWS else f"batches of up to {small_batch_rows} rows"

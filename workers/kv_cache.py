@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers import huge_pages
 from workers.model_config import ModelConfig
 
 GiB = 1 << 30
@@ -42,6 +43,8 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     layers of cold caches, alternated: 86-100 ms against 103-121 ms token-major. The CPU kernels
     take the strides (workers/csrc/vec.h, CacheStrides); torch code indexes the view. GPU caches
     stay token-major and contiguous: FlashInfer's NHD layout, and no other layout was measured there.
+    CPU caches sit on 2 MB pages (workers/huge_pages.py): those 4 KB runs are scattered over the
+    cache, and on 4 KB pages each one was a TLB miss.
 
     Written once here (zero_ on an empty tensor) rather than torch.zeros: on CPU, zeros come
     from lazily mapped pages, and the first steps that touched them paid the page faults
@@ -52,7 +55,7 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     def make() -> torch.Tensor:
         if head_major:
             shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-            return torch.empty(shape, dtype=spec.dtype, device=device).zero_().transpose(1, 2)
+            return huge_pages.empty(shape, spec.dtype).zero_().transpose(1, 2)
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         return torch.empty(shape, dtype=spec.dtype, device=device).zero_()
 
