@@ -78,3 +78,20 @@ def test_cpu_kv_cache_is_zeroed_head_major_on_huge_pages():
             assert not c.any()
             if huge_pages.enabled():
                 assert c.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+
+
+def test_huge_pages_bench_reports_both_sides(capsys):
+    import json
+
+    from bench.huge_pages_ab import main
+    from workers import cpu_ops
+
+    if not (cpu_ops.load() and torch.ops.tpserve_cpu.panel_linear_available() and huge_pages.enabled()):
+        assert main(["--passes", "1"]) == 1  # says why, runs nothing
+        return
+    assert main(["--requests", "2", "--context", "40", "--cache-mib", "16", "--layers", "2", "--rows", "1,3",
+                 "--passes", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for result in [out["attention"], *out["panel_linear"].values()]:
+        assert result["4k"]["median_ms"] > 0 and result["2m"]["median_ms"] > 0 and result["median_4k_over_2m"] > 0
+    assert set(out["panel_linear"]) == {"1", "3"}
