@@ -31,18 +31,25 @@ def anon_huge_kb(address: int) -> int:
     return total
 
 
-def test_empty_is_2mb_aligned_and_writable():
-    t = huge_pages.empty((3, 1000, 7), torch.float32)
-    assert t.shape == (3, 1000, 7) and t.dtype == torch.float32 and t.is_contiguous()
+def test_carve_gives_aligned_disjoint_tensors_of_one_mapping():
+    layouts = [((3, 1000, 7), torch.float32), ((5,), torch.bfloat16), ((16, 64), torch.float32)]
+    tensors = huge_pages.carve(layouts)
+    for t, (shape, dtype) in zip(tensors, layouts):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert t.data_ptr() % huge_pages.ARENA_ALIGN == 0
     if huge_pages.enabled():
-        assert t.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
-    t.fill_(2.5)
-    assert float(t.sum()) == 2.5 * t.numel()
+        assert tensors[0].data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+        assert spans[-1][1] - spans[0][0] < 2 * huge_pages.HUGE_PAGE_BYTES  # one mapping
+    for value, t in enumerate(tensors):
+        t.fill_(value)
+    assert [float(t.float().mean()) for t in tensors] == [0.0, 1.0, 2.0]
 
 
 @pytest.mark.skipif(not thp_available(), reason="the kernel gives no transparent huge pages (THP 'never')")
 def test_touched_buffer_is_backed_by_huge_pages():
-    t = huge_pages.empty((4 * huge_pages.HUGE_PAGE_BYTES // 4,), torch.float32)
+    (t,) = huge_pages.carve([((4 * huge_pages.HUGE_PAGE_BYTES // 4,), torch.float32)])
     t.zero_()  # first touch maps the pages
     assert anon_huge_kb(t.data_ptr()) >= 2048
 
@@ -65,7 +72,7 @@ def test_switched_off_keeps_the_allocator(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV_HUGE_PAGES, "0")
     tensors = [torch.randn(4, 4)]
     assert huge_pages.move_to_huge_pages(tensors)[0] is tensors[0]
-    assert huge_pages.empty((2, 2), torch.float32).shape == (2, 2)
+    assert huge_pages.carve([((2, 2), torch.float32)])[0].shape == (2, 2)
 
 
 def test_cpu_kv_cache_is_zeroed_head_major_on_huge_pages():
@@ -76,8 +83,10 @@ def test_cpu_kv_cache_is_zeroed_head_major_on_huge_pages():
             assert c.shape == (40, 16, 3, 64)
             assert c.stride() == (3 * 16 * 64, 64, 16 * 64, 1)  # head-major memory
             assert not c.any()
-            if huge_pages.enabled():
-                assert c.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    starts = sorted(c.data_ptr() for pair in caches for c in pair)
+    assert all(b - a >= 40 * 16 * 3 * 64 * 4 for a, b in zip(starts, starts[1:]))  # no two overlap
+    if huge_pages.enabled():
+        assert starts[0] % huge_pages.HUGE_PAGE_BYTES == 0
 
 
 def test_huge_pages_bench_reports_both_sides(capsys):

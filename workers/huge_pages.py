@@ -4,10 +4,10 @@ cache and the projection weights' packed copies.
 Why: on 4 KB pages every 4 KB of a cold read is a TLB miss, and in a VM a miss walks two page
 tables. Decode attention reads each (request, KV head)'s context as 4 KB runs scattered over the
 cache, and the projections stream ~425 MB of weights per step. Measured on the 2-core Zen 3 EPYC
-(2026-12-04, alternated in one process): decode attention over 30 layers of cold caches, 64 x
-300-token contexts, 97.1 -> 92.4 ms (median of 8); panel_linear over 30 cold layers 29.0 -> 26.9
-ms at 1 row, 46.6 -> 43.9 at 16, 127.4 -> 123.6 at 64 (median of 12). A plain C++ read of random
-4 KB runs went 9 -> 12 GB/s with the same change.
+(2026-12-04, `python -m bench.huge_pages_ab`, alternated in one process, median of 8 passes):
+decode attention over 30 layers of cold caches, 64 x 300-token contexts, 72.2 -> 69.3 ms;
+panel_linear over 30 cold layers 20.8 -> 19.6 ms at 1 row, 38.9 -> 36.2 at 16, 113.0 -> 111.8 at
+64. A plain C++ read of random 4 KB runs went 8-10 -> 12-14 GB/s with the same change.
 
 torch's own switch for this (`THP_MEM_ALLOC_ENABLE=1`) is read once per process, before anything
 here runs, and applies to every allocation of 2 MB or more; these buffers are mapped here instead
@@ -20,6 +20,7 @@ A/B measurements).
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 
@@ -53,32 +54,28 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     return raw[start:start + nbytes]
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.empty(shape, dtype) on CPU, on huge pages where enabled()."""
+def carve(layouts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Uninitialized contiguous CPU tensors of these (shape, dtype)s, all from one huge-page
+    mapping, each on a 64-byte boundary (torch.empty each where not enabled()). One mapping, not
+    one per tensor: THP backs the page holding a mapping's end whole, so 60 per-layer caches of
+    their own would each hold up to 2 MB more than they use."""
     if not enabled():
-        return torch.empty(shape, dtype=dtype)
-    numel = 1
-    for size in shape:
-        numel *= size
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return huge_page_bytes(numel * itemsize).view(dtype).view(shape)
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in layouts]
+    offsets, total = [], 0
+    for shape, dtype in layouts:
+        offsets.append(total)
+        total += -(-math.prod(shape) * dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN
+    arena = huge_page_bytes(total)
+    return [arena[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for (shape, dtype), offset in zip(layouts, offsets)]
 
 
 def move_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of CPU tensors, all carved from one huge-page mapping (each on a 64-byte
-    boundary); the tensors themselves where not enabled(). One mapping, not one per tensor: a
-    2 MB page holds several small weights, where per-tensor mappings would each round up."""
+    """Contiguous copies of CPU tensors carved from one huge-page mapping; the tensors themselves
+    where not enabled()."""
     if not enabled() or not tensors:
         return tensors
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ARENA_ALIGN) * ARENA_ALIGN
-    arena = huge_page_bytes(total)
-    moved = []
-    for t, offset in zip(tensors, offsets):
-        nbytes = t.numel() * t.element_size()
-        copy = arena[offset:offset + nbytes].view(t.dtype).view(t.shape)
+    moved = carve([(tuple(t.shape), t.dtype) for t in tensors])
+    for copy, t in zip(moved, tensors):
         copy.copy_(t)
-        moved.append(copy)
     return moved

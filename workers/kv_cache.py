@@ -50,16 +50,13 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     from lazily mapped pages, and the first steps that touched them paid the page faults
     (measured: the first pass over a 4 GiB cache ran ~25% slower than later ones).
     """
-    head_major = device.type == "cpu"
-
-    def make() -> torch.Tensor:
-        if head_major:
-            shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
-            return huge_pages.empty(shape, spec.dtype).zero_().transpose(1, 2)
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        return torch.empty(shape, dtype=spec.dtype, device=device).zero_()
-
-    return [(make(), make()) for _ in range(spec.num_layers)]
+    if device.type == "cpu":  # head-major, every layer's K and V from one huge-page mapping
+        shape = (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+        caches = [t.zero_().transpose(1, 2) for t in huge_pages.carve([(shape, spec.dtype)] * (2 * spec.num_layers))]
+        return [(caches[2 * i], caches[2 * i + 1]) for i in range(spec.num_layers)]
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [(torch.empty(shape, dtype=spec.dtype, device=device).zero_(),
+             torch.empty(shape, dtype=spec.dtype, device=device).zero_()) for _ in range(spec.num_layers)]
 
 
 def kv_spec_for(cfg: ModelConfig, block_size: int, num_local_kv_heads: int, dtype: torch.dtype) -> KVCacheSpec:
