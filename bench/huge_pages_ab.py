@@ -8,7 +8,9 @@ alternated in one process so that both sides see the same minutes of a drifting 
     .venv/bin/python -m bench.huge_pages_ab            # README "Performance", 2026-12-04 night
 
 Prints one JSON object: per kernel and side, the median and fastest pass in ms, and the ratio
-4 KB / 2 MB of the medians (> 1: huge pages faster).
+4 KB / 2 MB of the medians (> 1: huge pages faster). The 4 KB side is torch's allocator, which
+gets 4 KB pages where THP is `madvise` (as here); where it is `always`, both sides get huge pages
+and should match.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from bench.projection_kernels import DEFAULT_SHAPES
 SIDES = ("4k", "2m")
 
 
-def carve(nbytes: int, huge: bool) -> torch.Tensor:
+def byte_buffer(nbytes: int, huge: bool) -> torch.Tensor:
     """A uint8 buffer on huge pages (huge_pages.huge_page_bytes) or on torch's allocator."""
     from workers import huge_pages
 
@@ -39,7 +41,7 @@ def kv_caches(huge: bool, layers: int, num_blocks: int, block_size: int, kv_head
     for _ in range(layers):
         pair = []
         for _ in range(2):
-            flat = carve(num_blocks * kv_heads * block_size * head_dim * 4, huge).view(torch.float32)
+            flat = byte_buffer(num_blocks * kv_heads * block_size * head_dim * 4, huge).view(torch.float32)
             flat.normal_()
             pair.append(flat.view(num_blocks, kv_heads, block_size, head_dim).transpose(1, 2))
         caches.append(tuple(pair))
