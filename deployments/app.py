@@ -24,6 +24,7 @@ from deployments.http.api_server import make_api
 from deployments.http.health import HealthMonitor
 from deployments.engine.async_engine import AsyncEngine
 from deployments.config import TpserveConfig
+from deployments.replica_logging import route_tpserve_logs
 from deployments.routing.replica_side import ScaleOutReplica
 from deployments.scale_out import scale_out_options
 
@@ -79,6 +80,9 @@ class TpserveDeployment(ScaleOutReplica):
         # behind the loop; 0.5 ms keeps the forward moving while many streams are open. A
         # process-wide setting, so the replica (which owns the process) sets it.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        # The KV cache sizing and progress lines (METRICS.md section 6) into the replica's log and
+        # the terminal: before the engine, which writes the first of them while it loads.
+        route_tpserve_logs()
         # Loading the tokenizer and weights takes seconds: off the event loop.
         self.engine = await asyncio.to_thread(AsyncEngine, config)
         # Pings the engine (and its TP workers, through Ray) on a thread; /health and

@@ -1,7 +1,7 @@
 """`tpserve serve` as a user runs it: a real process on a free port, with Serve's fast path
 (HAProxy ingress, throughput-optimized Serve) and without it. Each run streams a completion,
 cuts a stream mid-way (its KV blocks must come back), answers /health, and exits 0 on Ctrl-C
-with every process it started gone."""
+with every process it started gone; the replica's KV cache line shows in its terminal."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import time
 
 import httpx
 import pytest
+# Serve's defaults per deployment (graceful_shutdown_timeout_s: when the controller force-kills).
+from ray.serve._private.config import DeploymentConfig
 
 from bench import vllm_peer
 from model_fixtures import make_tiny_llama
@@ -78,13 +80,22 @@ def test_serve_streams_frees_a_cut_stream_and_exits_cleanly_on_ctrl_c(tmp_path, 
                  and gauge(client.get("/metrics").text, "tpserve_num_requests_running") == 0,
                  60, "the cut stream's request to end and free its KV blocks")
             assert client.get("/health").status_code == 200
+        # METRICS.md section 6 in the terminal: the replica's KV cache sizing (Ray streams the
+        # replica's stderr to the CLI's).
+        poll(lambda: "KV cache: " in server.log_path.read_text(errors="replace"), 30,
+             "the replica's KV cache line in the terminal")
 
         server.proc.send_signal(signal.SIGINT)
         stopping = time.monotonic()
         assert server.proc.wait(120) == 0, server.log_tail()
         # Ray's 30 s direct-ingress drain floor made every Ctrl-C take 33-36 s with HAProxy; the
         # 5 s tpserve starts Ray with (serve_fast_path) must hold, and the drain still ends cleanly.
-        assert time.monotonic() - stopping < 25, server.log_tail()
+        # Through Serve's proxy a Ctrl-C takes ~7 s, but once in ~10 CI runs (2026-12-04) the
+        # replica stalled inside Serve after "Drained ongoing requests" until the controller
+        # force-killed it at Serve's graceful_shutdown_timeout_s (20 s), which bounds that path:
+        # the replica's "Shutting down the engine" line says whether our lifespan was reached.
+        bound_s = 25 if fast_path else DeploymentConfig().graceful_shutdown_timeout_s + 15
+        assert time.monotonic() - stopping < bound_s, server.log_tail()
         assert "failed to shut down" not in server.log_tail()
         deadline = time.monotonic() + 30
         while vllm_peer.marked_pids(server.marker) and time.monotonic() < deadline:

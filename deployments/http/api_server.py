@@ -12,6 +12,8 @@ background (deployments/http/health.py).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Literal
@@ -34,6 +36,9 @@ from metrics.events import now
 
 # Prometheus text exposition format, version 0.0.4.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# The operator lines' logger (deployments/replica_logging.py routes it in a Serve replica).
+logger = logging.getLogger("tpserve")
 
 
 def engine_config(engine: Any) -> TpserveConfig:
@@ -59,9 +64,13 @@ def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
         await engine.start()
         health.start()
         yield
+        # Logged on both sides: a replica that Serve had to force-kill shows whether it got this far.
+        logger.info("Shutting down the engine")
+        started = time.monotonic()
         await health.stop()
         await engine.shutdown()
         pool.shutdown(wait=False, cancel_futures=True)
+        logger.info("Engine shut down in %.2f s", time.monotonic() - started)
 
     app = FastAPI(title="tpserve", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.health = health
