@@ -28,23 +28,28 @@ from bench.projection_kernels import DEFAULT_SHAPES
 SIDES = ("4k", "2m")
 
 
-def byte_buffer(nbytes: int, huge: bool) -> torch.Tensor:
-    """A uint8 buffer on huge pages (huge_pages.huge_page_bytes) or on torch's allocator."""
-    from workers import huge_pages
-
-    return huge_pages.huge_page_bytes(nbytes) if huge else torch.empty(nbytes, dtype=torch.uint8)
-
-
 def kv_caches(huge: bool, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int):
-    """Per layer (K, V), [num_blocks, block_size, KVH, D] views of head-major memory, random values."""
-    caches = []
-    for _ in range(layers):
-        pair = []
-        for _ in range(2):
-            flat = byte_buffer(num_blocks * kv_heads * block_size * head_dim * 4, huge).view(torch.float32)
-            flat.normal_()
-            pair.append(flat.view(num_blocks, kv_heads, block_size, head_dim).transpose(1, 2))
-        caches.append(tuple(pair))
+    """Per layer (K, V) as the engine's `allocate_kv_cache` makes them (head-major, one mapping for
+    all layers on huge pages), with huge pages switched on or off for the call; random values."""
+    import os
+
+    from workers import huge_pages
+    from workers.kv_cache import KVCacheSpec, allocate_kv_cache
+
+    spec = KVCacheSpec(num_layers=layers, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
+                       dtype=torch.float32)
+    saved = os.environ.get(huge_pages.ENV_HUGE_PAGES)
+    os.environ[huge_pages.ENV_HUGE_PAGES] = "1" if huge else "0"
+    try:
+        caches = allocate_kv_cache(spec, num_blocks, torch.device("cpu"))
+    finally:
+        if saved is None:
+            del os.environ[huge_pages.ENV_HUGE_PAGES]
+        else:
+            os.environ[huge_pages.ENV_HUGE_PAGES] = saved
+    for pair in caches:
+        for cache in pair:
+            cache.normal_()
     return caches
 
 
