@@ -444,40 +444,63 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
 
 #if defined(TPSERVE_AVX2) && !defined(__AVX512F__)
 // decode_one for head_dim = 8 * NV and G query heads per KV head, both compile-time so that the
-// accumulators are registers (AVX2 has 16). Scores: each K row is read for the G heads, four
-// tokens per reduction. Weighted V sum: the head is walked in slices of two vectors (one 64-byte
-// line of a float32 row), all tokens per slice with G x 2 accumulators; the context's V rows
-// (tens of KB) stay in L2 between slices, and the first slice prefetches whole rows ahead.
+// accumulators are registers (AVX2 has 16 ymm). Shaped so that every FMA chain is short next to
+// the work around it (Zen 3's FMA takes 4 cycles and two issue per cycle: 8 chains in flight):
+// - Scores: 8 tokens per step, one head at a time: 8 accumulators (one per token, NV FMAs each),
+//   the head's query vector loaded once per 8 FMAs, the K rows re-read from L1 for each head;
+//   one 8-way reduction per head gives 8 scores.
+// - Weighted V sum: the head is walked in slices of SV vectors, all tokens per slice, G x SV
+//   accumulators (12 for G <= 3: 4 vectors; 2 for G <= 6; else 1). The first slice reads the rows
+//   from memory and prefetches whole rows ahead; the rest find them in L2.
+// The form before (scores 4 tokens at a time with all G x NV query vectors live, 24 for SmolLM2,
+// which spilled; V slices of 2 vectors, whose 6 FMA chains waited on latency), alternated with
+// this one in one process over 30 cold layers of 64 x 450-token contexts on 2 threads: 76.2 ->
+// 68.5 ms (median of 12). Both stay well above the memory's time: reading and summing the same
+// rows takes 47 ms. The arithmetic (~24 ms) and the memory stalls add up rather than overlap, and
+// neither prefetching 16-256 tokens ahead nor prefetching the V rows during the scores changed that.
 template <typename T, int NV, int G>
 void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
                      int64_t start, float scale, float soft_cap, std::vector<float>& scores) {
   static_assert(NV % 2 == 0, "head_dim must be a multiple of 16");
   constexpr int64_t d = 8 * NV;
+  // bf16 rows need registers to widen: 2-vector slices for them (6 accumulators at most).
+  constexpr int SV = std::is_same_v<T, float> && G <= 3 ? 4 : (G <= 6 ? 2 : 1);
+  static_assert(NV % SV == 0, "slices must tile the head");
   const int64_t n = len - start;
   const int64_t padded = (n + 7) / 8 * 8;
   scores.resize(G * padded);
   auto row_at = [&](const T* cache, int64_t t) { return cache + rows[t - start]; };
-  __m256 qv[G][NV];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NV; ++j) qv[g][j] = _mm256_mul_ps(load8(q + g * d + 8 * j), _mm256_set1_ps(scale));
+  alignas(32) float qs[G * d];
+  for (int64_t i = 0; i < G * d; i += 8) _mm256_store_ps(qs + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(scale)));
   int64_t t = start;
-  for (; t + 4 <= len; t += 4) {
-    for (int64_t i = t + kPrefetchAhead; i < std::min(t + kPrefetchAhead + 4, len); ++i) prefetch_row(row_at(k_cache, i), d);
-    const T* kr[4] = {row_at(k_cache, t), row_at(k_cache, t + 1), row_at(k_cache, t + 2), row_at(k_cache, t + 3)};
+  for (; t + 8 <= len; t += 8) {
+    for (int64_t i = t + kPrefetchAhead; i < std::min(t + kPrefetchAhead + 8, len); ++i) prefetch_row(row_at(k_cache, i), d);
+    const T* kr[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) kr[i] = row_at(k_cache, t + i);
     for (int g = 0; g < G; ++g) {
-      __m256 a[4];
-      for (int i = 0; i < 4; ++i) {
-        a[i] = _mm256_mul_ps(qv[g][0], load8(kr[i]));
-        for (int j = 1; j < NV; ++j) a[i] = _mm256_fmadd_ps(qv[g][j], load8(kr[i] + 8 * j), a[i]);
+      const float* qg = qs + g * d;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) {
+        const __m256 qj = _mm256_load_ps(qg + 8 * j);
+        a0 = _mm256_fmadd_ps(qj, load8(kr[0] + 8 * j), a0);
+        a1 = _mm256_fmadd_ps(qj, load8(kr[1] + 8 * j), a1);
+        a2 = _mm256_fmadd_ps(qj, load8(kr[2] + 8 * j), a2);
+        a3 = _mm256_fmadd_ps(qj, load8(kr[3] + 8 * j), a3);
+        a4 = _mm256_fmadd_ps(qj, load8(kr[4] + 8 * j), a4);
+        a5 = _mm256_fmadd_ps(qj, load8(kr[5] + 8 * j), a5);
+        a6 = _mm256_fmadd_ps(qj, load8(kr[6] + 8 * j), a6);
+        a7 = _mm256_fmadd_ps(qj, load8(kr[7] + 8 * j), a7);
       }
-      _mm_storeu_ps(scores.data() + g * padded + (t - start), reduce4_256(a[0], a[1], a[2], a[3]));
+      _mm256_storeu_ps(scores.data() + g * padded + (t - start), reduce8_256(a0, a1, a2, a3, a4, a5, a6, a7));
     }
   }
   for (; t < len; ++t) {
     const T* kr = row_at(k_cache, t);
     for (int g = 0; g < G; ++g) {
-      __m256 a = _mm256_mul_ps(qv[g][0], load8(kr));
-      for (int j = 1; j < NV; ++j) a = _mm256_fmadd_ps(qv[g][j], load8(kr + 8 * j), a);
+      __m256 a = _mm256_mul_ps(_mm256_load_ps(qs + g * d), load8(kr));
+      for (int j = 1; j < NV; ++j) a = _mm256_fmadd_ps(_mm256_load_ps(qs + g * d + 8 * j), load8(kr + 8 * j), a);
       scores[g * padded + (t - start)] = hsum8(a);
     }
   }
@@ -498,23 +521,43 @@ void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, con
     }
     inv_sum[g] = 1.f / hsum8(sum);
   }
-  for (int c = 0; c < NV; c += 2) {
-    __m256 acc[G][2];
-    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+  for (int c = 0; c < NV; c += SV) {
+    __m256 acc[G][SV];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int x = 0; x < SV; ++x) acc[g][x] = _mm256_setzero_ps();
     for (int64_t t = start; t < len; ++t) {
       if (c == 0 && t + kPrefetchAhead < len) prefetch_row(row_at(v_cache, t + kPrefetchAhead), d);
       const T* vr = row_at(v_cache, t) + 8 * c;
-      const __m256 v0 = load8(vr), v1 = load8(vr + 8);
-      for (int g = 0; g < G; ++g) {
-        const __m256 p = _mm256_broadcast_ss(scores.data() + g * padded + (t - start));
-        acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
-        acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
+      if constexpr (std::is_same_v<T, float> && G * SV + 1 + SV > 16) {
+        // G x SV accumulators + SV value vectors + the broadcast would not fit: the FMAs take the
+        // value rows as memory operands (L1 hits after the first head). Left to itself, GCC
+        // loads them into registers and spills an accumulator, whose chain then runs through a
+        // store and a reload every token.
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          const __m256 p = _mm256_broadcast_ss(scores.data() + g * padded + (t - start));
+#pragma GCC unroll 4
+          for (int x = 0; x < SV; ++x) acc[g][x] = fmadd_mem(acc[g][x], p, vr + 8 * x);
+        }
+      } else {
+        __m256 v[SV];
+#pragma GCC unroll 4
+        for (int x = 0; x < SV; ++x) v[x] = load8(vr + 8 * x);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          const __m256 p = _mm256_broadcast_ss(scores.data() + g * padded + (t - start));
+#pragma GCC unroll 4
+          for (int x = 0; x < SV; ++x) acc[g][x] = _mm256_fmadd_ps(p, v[x], acc[g][x]);
+        }
       }
     }
+#pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const __m256 inv = _mm256_set1_ps(inv_sum[g]);
-      store8(out + g * d + 8 * c, _mm256_mul_ps(acc[g][0], inv));
-      store8(out + g * d + 8 * c + 8, _mm256_mul_ps(acc[g][1], inv));
+#pragma GCC unroll 4
+      for (int x = 0; x < SV; ++x) store8(out + g * d + 8 * (c + x), _mm256_mul_ps(acc[g][x], inv));
     }
   }
 }

@@ -162,6 +162,19 @@ inline __m128 reduce4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
+
+// acc + p * m[0..8), the 8 floats at m read by the FMA itself (a memory operand: no register).
+inline __m256 fmadd_mem(__m256 acc, __m256 p, const float* m) {
+  asm("vfmadd231ps %2, %1, %0" : "+x"(acc) : "x"(p), "m"(*reinterpret_cast<const __m256_u*>(m)));
+  return acc;
+}
+
+// The totals of eight vectors as the eight lanes of one __m256.
+inline __m256 reduce8_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
 #endif  // __AVX2__ && __FMA__
 
 // Element strides of a paged KV cache indexed [block, token in block, KV head, dim]: any layout
