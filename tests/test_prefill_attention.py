@@ -2,8 +2,8 @@
 replaces (SDPA per chunk: causal from its own K/V at position 0, gathered blocks and a mask after
 cached context): one call for several chunks, chunks at position 0 and after cached tokens, query
 lengths across the kernel's 16-token query tiles and 64-key tiles, GQA, sliding windows and soft
-caps, float32 and bf16, through the vectorized tiles (head_dim a multiple of 32) and the portable
-loops (head_dim 48); its refusals of chunks and tables that would read outside the step or the
+caps, float32 and bf16, through the vectorized tiles (head_dim a multiple of 16) and the portable
+loops (head_dim 40); its refusals of chunks and tables that would read outside the step or the
 cache; and engines whose greedy tokens do not change with it."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ CHUNKS = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (32, 16, 2), (64, 8, 1), (48, 6, 2)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (32, 16, 2), (64, 8, 1), (48, 6, 2), (40, 10, 2)])
 @pytest.mark.parametrize("chunks", CHUNKS, ids=[f"chunks{i}" for i in range(len(CHUNKS))])
 def test_prefill_kernel_matches_the_sdpa_path(dtype, head_dim, heads, kv_heads, chunks):
     reference, kernel = _both_paths(dtype, heads, kv_heads, head_dim, chunks)
@@ -102,7 +102,7 @@ def test_prefill_kernel_matches_the_sdpa_path(dtype, head_dim, heads, kv_heads, 
 
 
 @pytest.mark.parametrize("window,soft_cap", [(20, None), (64, None), (None, 30.0), (37, 30.0)])
-@pytest.mark.parametrize("head_dim", [64, 48])
+@pytest.mark.parametrize("head_dim", [64, 48, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_kernel_matches_the_sdpa_path_with_windows_and_soft_caps(window, soft_cap, head_dim, dtype):
     # bf16 without a soft cap: the SDPA path pads rows (attention.SDPA_ROW_ALIGN), masks included.

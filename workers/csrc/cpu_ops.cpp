@@ -449,14 +449,15 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
 // - Scores: 8 tokens per step, one head at a time: 8 accumulators (one per token, NV FMAs each),
 //   the head's query vector loaded once per 8 FMAs, the K rows re-read from L1 for each head;
 //   one 8-way reduction per head gives 8 scores.
-// - Weighted V sum: the head is walked in slices of SV vectors, all tokens per slice, G x SV
-//   accumulators (12 for G <= 3: 4 vectors; 2 for G <= 6; else 1). The first slice reads the rows
-//   from memory and prefetches whole rows ahead; the rest find them in L2.
+// - Weighted V sum: the head is walked in slices of SV vectors, all tokens per slice, with G x SV
+//   accumulators: SV = 4 for float32 and G <= 3 (12 accumulators), 2 for bf16 or G <= 6, else 1.
+//   The first slice reads the rows from memory and prefetches whole rows ahead; the rest find
+//   them in L2.
 // The form before (scores 4 tokens at a time with all G x NV query vectors live, 24 for SmolLM2,
 // which spilled; V slices of 2 vectors, whose 6 FMA chains waited on latency), alternated with
 // this one in one process over 30 cold layers of 64 x 450-token contexts on 2 threads: 76.2 ->
 // 68.5 ms (median of 12). Both stay well above the memory's time: reading and summing the same
-// rows takes 47 ms. The arithmetic (~24 ms) and the memory stalls add up rather than overlap, and
+// rows takes 47 ms. The arithmetic (~23 ms) and the memory stalls add up rather than overlap, and
 // neither prefetching 16-256 tokens ahead nor prefetching the V rows during the scores changed that.
 template <typename T, int NV, int G>
 void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,

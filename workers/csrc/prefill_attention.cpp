@@ -356,7 +356,8 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
         if (b != a) items.push_back({static_cast<int64_t>(i), h, b});
       }
   }
-  const bool vector_tiles = d % 32 == 0;
+  // The register tiles walk the head in 16-float slices (pv_tile); other head sizes take the loops.
+  const bool vector_tiles = d % 16 == 0;
   TPSERVE_DISPATCH(q.scalar_type(), "paged_prefill_attention", [&] {
     AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_prefill_attention_index", [&] {
       const scalar_t* kc = k_cache.data_ptr<scalar_t>();

@@ -157,12 +157,6 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-// The totals of four vectors as the four lanes of one __m128 (three hadds for four dot products).
-inline __m128 reduce4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 // acc + p * m[0..8), the 8 floats at m read by the FMA itself (a memory operand: no register).
 inline __m256 fmadd_mem(__m256 acc, __m256 p, const float* m) {
   asm("vfmadd231ps %2, %1, %0" : "+x"(acc) : "x"(p), "m"(*reinterpret_cast<const __m256_u*>(m)));
