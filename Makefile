@@ -20,12 +20,12 @@ $(STAMP): pyproject.toml
 
 # Converts the embedded GGUF default model once into an HF folder under $$TPSERVE_CACHE.
 model: $(STAMP)
-	$(PY) -m workers.default_model
+	$(PY) -m workers.model.default_model
 
 # Builds tpserve's CPU kernels once into torch's extension cache (~15 s); where they cannot build
-# this says so and the engine runs torch ops (workers/cpu_ops.py).
+# this says so and the engine runs torch ops (workers/cpu/kernels.py).
 kernels: $(STAMP)
-	$(PY) -m workers.cpu_ops
+	$(PY) -m workers.cpu.kernels
 
 serve: install
 	$(VENV)/bin/tpserve serve

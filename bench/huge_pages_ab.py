@@ -1,4 +1,4 @@
-"""2 MB pages against 4 KB pages for what a CPU decode step streams through (workers/huge_pages.py),
+"""2 MB pages against 4 KB pages for what a CPU decode step streams through (workers/cpu/huge_pages.py),
 alternated in one process so that both sides see the same minutes of a drifting machine:
 
 - decode attention (`paged_decode_attention`) over 30 layers of cold KV caches, head-major as
@@ -33,8 +33,8 @@ def kv_caches(huge: bool, layers: int, num_blocks: int, block_size: int, kv_head
     all layers on huge pages), with huge pages switched on or off for the call; random values."""
     import os
 
-    from workers import huge_pages
-    from workers.kv_cache import KVCacheSpec, allocate_kv_cache
+    from workers.cpu import huge_pages
+    from workers.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 
     spec = KVCacheSpec(num_layers=layers, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                        dtype=torch.float32)
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=30, help="layers of caches and of weights")
     args = p.parse_args(argv)
 
-    from workers import cpu_ops, huge_pages
+    from workers.cpu import kernels as cpu_ops
+    from workers.cpu import huge_pages
 
     if not cpu_ops.load() or not torch.ops.tpserve_cpu.panel_linear_available():
         print(json.dumps({"error": "tpserve's CPU kernels (with panel_linear) are not available here"}))

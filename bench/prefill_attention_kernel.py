@@ -1,4 +1,4 @@
-"""The float32 prefill attention kernel alone (`paged_prefill_attention`, workers/csrc/
+"""The float32 prefill attention kernel alone (`paged_prefill_attention`, workers/cpu/csrc/
 prefill_attention.cpp) against torch's SDPA on the same step: the default model's heads (9 query,
 3 KV, head_dim 64), every chunk a whole prompt at position 0 in scattered 16-token blocks, one
 call per layer as the layer loop makes it, alternated, median of `--repeats` calls each.
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=40)
     args = p.parse_args(argv)
 
-    from workers import cpu_ops
+    from workers.cpu import kernels as cpu_ops
 
     if not cpu_ops.load():
         print(json.dumps({"error": "the CPU kernels did not build on this machine"}))

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=6)
     args = p.parse_args(argv)
-    from workers import cpu_ops
+    from workers.cpu import kernels as cpu_ops
 
     if not cpu_ops.load() or not cpu_ops.ops().panel_linear_available():
         print(json.dumps({"error": "tpserve's CPU kernels with panel_linear (AVX2 + FMA) are not available here"}))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 
 WORDS = ("customer order parcel invoice refund shipping warehouse tracking policy delivery account "
          "support window carrier label return exchange address postcode weekday holiday express "

@@ -45,8 +45,8 @@ from typing import Callable
 from bench import vllm_peer
 from bench.serve_load import LoadConfig, run_load
 from bench.workload import load_tokenizer, random_requests
-from workers.cpu_ops import cpuinfo_field
-from workers.ports import free_port
+from workers.cpu.kernels import cpuinfo_field
+from workers.distributed.ports import free_port
 
 logger = logging.getLogger("bench.serve_compare")
 REPO = Path(__file__).resolve().parent.parent
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (CI timeout, kill) must unwind through the `finally` blocks that stop the servers.
     signal.signal(signal.SIGTERM, _interrupt)
 
-    from workers.default_model import ensure_default_model
+    from workers.model.default_model import ensure_default_model
 
     model_dir = Path(args.model_dir) if args.model_dir else ensure_default_model()
     tokenizer = load_tokenizer(model_dir)

@@ -68,7 +68,7 @@ def build_requests(cfg: LoadConfig) -> list[BenchRequest]:
     num = min(cfg.num_prompts, MAX_PROMPTS)
     tok_path = cfg.tokenizer
     if tok_path is None:
-        from workers.default_model import ensure_default_model
+        from workers.model.default_model import ensure_default_model
 
         tok_path = str(ensure_default_model())
     tokenizer = load_tokenizer(tok_path)

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.dtype = concrete_dtype(args.dtype)
 
-    from workers.default_model import ensure_default_model
+    from workers.model.default_model import ensure_default_model
 
     model_dir = ensure_default_model()
     requests = make_workloads(load_tokenizer(model_dir), [args.concurrency], args)[args.concurrency]

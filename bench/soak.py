@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 
 APP_NAME = "tpserve-soak"
 # Small on purpose: ~580 tokens of KV cache for 16 running sequences forces preemption.

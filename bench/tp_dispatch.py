@@ -34,9 +34,9 @@ from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine, make_worker_config
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
-from workers.executor import Executor, ExecutorError, InProcessExecutor
-from workers.model_config import ModelConfig
-from workers.ray_executor import RayExecutor
+from workers.executors.executor import Executor, ExecutorError, InProcessExecutor
+from workers.model.config import ModelConfig
+from workers.executors.ray_executor import RayExecutor
 
 Dispatch = Literal["gloo", "compiled_graph", "remote"]
 
@@ -163,7 +163,7 @@ def make_bench_model(folder: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workers.default_model import ensure_default_model
+    from workers.model.default_model import ensure_default_model
 
     source = ensure_default_model()
     config = LlamaConfig(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma-separated config names to run")
     args = parser.parse_args()
     if args.model is None:
-        from workers.default_model import cache_dir
+        from workers.model.default_model import cache_dir
 
         args.model = make_bench_model(cache_dir() / "bench-llama-h8-kv4")
 

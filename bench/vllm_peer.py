@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         print(ensure_vllm_venv())
         return 0
     if a.model_dir is None:
-        from workers.default_model import ensure_default_model
+        from workers.model.default_model import ensure_default_model
 
         a.model_dir = ensure_default_model()
     # SIGTERM must unwind through the `with` block, which stops vLLM, like Ctrl-C does.

@@ -59,7 +59,7 @@ def placement_options(config: TpserveConfig) -> dict[str, Any]:
     """Where a replica runs. TP > 1: a placement group with one bundle per rank (the workers
     join it). TP = 1: the model runs in the replica itself, which then needs the GPU when the
     cluster has GPUs."""
-    from workers.placement import cluster_has_gpus, serve_deployment_ray_options
+    from workers.distributed.placement import cluster_has_gpus, serve_deployment_ray_options
 
     use_gpu = config.accelerator == "gpu" or (config.accelerator == "auto" and cluster_has_gpus())
     if config.tensor_parallel_size > 1:

@@ -127,7 +127,7 @@ def serve_command(namespace: argparse.Namespace) -> int:
     from ray import serve
 
     from deployments.app import DEPLOYMENT_NAME, build_app
-    from workers.default_model import ensure_default_model
+    from workers.model.default_model import ensure_default_model
 
     if config.model is None:
         # Once per machine; done here so that replicas find the folder ready.
@@ -140,7 +140,7 @@ def serve_command(namespace: argparse.Namespace) -> int:
         # Always a fresh local cluster ("local"), never one someone else started here, with enough
         # logical CPUs for the tensor-parallel placement group asked for (one per rank plus the
         # replica): on a small machine Ray's default (the core count) would leave it pending forever.
-        from workers.placement import local_ray_num_cpus
+        from workers.distributed.placement import local_ray_num_cpus
 
         # No dashboard unless asked for: its head process and ten module processes took ~0.04
         # cores of an idle 2-core machine from a CPU engine (README "Performance", levers table).

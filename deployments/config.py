@@ -18,7 +18,7 @@ class ConfigError(ValueError):
 class TpserveConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    # Path to a local HF folder (a supported architecture, see workers/model_config.py, + safetensors);
+    # Path to a local HF folder (a supported architecture, see workers/model/config.py, + safetensors);
     # None = embedded SmolLM2 default.
     model: str | None = None
     # Name clients use in the `model` field; defaults to the folder name of `model`.
@@ -93,9 +93,9 @@ class TpserveConfig(BaseModel):
     # OMP_NUM_THREADS=1 in replicas, which would leave a CPU engine on one core.)
     cpu_threads: int | None = Field(default=None, gt=0)
     # CPU: prepack linear weights for oneDNN once after loading (about 1.5x faster projections,
-    # bf16 bit-identical results; workers/cpu_linear.py). Off = plain F.linear.
+    # bf16 bit-identical results; workers/cpu/linear.py). Off = plain F.linear.
     cpu_prepack_linear: bool = True
-    # CPU: tpserve's own kernels (workers/cpu_ops.py, built once per machine with the system's
+    # CPU: tpserve's own kernels (workers/cpu/kernels.py, built once per machine with the system's
     # g++) for the norms, rotary embedding, SiLU gate, KV write and a paged decode attention that
     # reads KV blocks in place. Where they cannot build, the torch ops run instead. Off = torch ops.
     cpu_kernels: bool = True
@@ -103,15 +103,15 @@ class TpserveConfig(BaseModel):
     # float32 batches panel_linear (for as many rows as it was timed faster than oneDNN at load;
     # on a Zen 3 EPYC every batch: 1.5-1.7x oneDNN's speed at 1-16 rows, 1.17x at 512-2048),
     # bf16 on CPUs with AMX amx_linear up to 64 rows (1.3-1.9x at 1-32 rows on a Xeon), bf16 with
-    # AVX512-BF16 only skinny_linear up to 8 rows (workers/cpu_linear.py). Off = oneDNN's packed
+    # AVX512-BF16 only skinny_linear up to 8 rows (workers/cpu/linear.py). Off = oneDNN's packed
     # GEMM only.
     cpu_small_batch_linear: bool = True
     # CPU, float32: prefill chunks through the kernels' flash attention, which reads the paged
     # KV cache in place (1.5-3x torch's SDPA at 200-1000-token prompts on a 2-core AMD EPYC;
-    # workers/csrc/prefill_attention.cpp). Off = torch's SDPA per chunk.
+    # workers/cpu/csrc/prefill_attention.cpp). Off = torch's SDPA per chunk.
     cpu_prefill_attention: bool = True
     # CPU, one rank, Llama-style layers: the decoder's layer loop runs as one call into the
-    # kernels (workers/layer_stack.py): the same ops in the same order, without the interpreter
+    # kernels (workers/model/cpu_layer_stack.py): the same ops in the same order, without the interpreter
     # between them (~28% of a batch-1 decode step's thread on a 2-core AMD EPYC). Off = the
     # Python loop over the layers.
     cpu_layer_stack: bool = True

@@ -56,7 +56,7 @@ import os
 import resource
 from collections.abc import Callable, Mapping
 
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 
 # How long a stopping ingress replica stays open for the balancers in front (Ray's default: 30 s).
 DIRECT_INGRESS_DRAIN = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 
 # Custom resources that tell the nodes apart (one unit each: a label, not a capacity).
 HEAD_RESOURCE = "tpserve_node_head"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 
 # Small settings: quick to load, 32 concurrent sequences fit.
 SERVE_TEST_CONFIG: dict[str, Any] = {

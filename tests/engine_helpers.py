@@ -9,8 +9,8 @@ import torch
 from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
-from workers.kv_cache import KVCacheSpec
-from workers.model_config import ModelConfig
+from workers.runner.kv_cache import KVCacheSpec
+from workers.model.config import ModelConfig
 
 PROMPTS = [
     "The capital of France is",

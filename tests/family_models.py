@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from workers.default_model import ensure_default_model
+from workers.model.default_model import ensure_default_model
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 # Shorter than the test prompts + outputs (and than one 16-token block for Mistral, longer for

@@ -1,4 +1,4 @@
-"""KV cache layouts the CPU kernels must read alike (workers/kv_cache.py)."""
+"""KV cache layouts the CPU kernels must read alike (workers/runner/kv_cache.py)."""
 
 from __future__ import annotations
 

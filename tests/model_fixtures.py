@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from workers.default_model import ensure_default_model
+from workers.model.default_model import ensure_default_model
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
 )
 
 from scheduler.sampling_params import SamplingParams as SP
-from workers.sampling_row import SamplingRow
+from workers.sampling.row import SamplingRow
 
 PROMPT = [5, 17, 17, 42, 50, 3]
 OUTPUT = [17, 25, 25, 25, 7, 60]

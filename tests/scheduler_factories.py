@@ -2,7 +2,7 @@
 
 - `make_config` / `make_scheduler` / `make_request` / `make_prompt` build small objects.
 - `FakeRunner` plays every worker rank at once: it keeps its own copy of each request from the
-  `SchedulerOutput` deltas only (as `workers/input_batch.py` does), simulates the KV cache slot by
+  `SchedulerOutput` deltas only (as `workers/runner/input_batch.py` does), simulates the KV cache slot by
   slot (each slot holds the token id whose K/V it stores), checks that every token a step attends
   to is really in the request's blocks, and samples one token for each request whose computed +
   scheduled tokens reach its known tokens. Sampled ids come from `token_fn(req_id, i)` (the
@@ -137,7 +137,7 @@ class FakeRunner:
             return script[index]
         return self.token_fn(req_id, index)
 
-    # ---- state updates, as workers/input_batch.py --------------------------------------------
+    # ---- state updates, as workers/runner/input_batch.py --------------------------------------------
     def _apply(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             assert req_id in self.states, f"finished id {req_id!r} was never sent to the workers"

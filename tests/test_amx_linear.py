@@ -1,4 +1,4 @@
-"""The AMX small-batch projection kernel (workers/csrc/amx_linear.cpp): every output is the float32
+"""The AMX small-batch projection kernel (workers/cpu/csrc/amx_linear.cpp): every output is the float32
 sum of exact bf16 products rounded once, as oneDNN's bf16 GEMM gives it, for the row counts the
 engine sends it and past them (more than 64 rows take the n blocks again), K not a multiple of 32,
 strided rows and biases; it refuses what it cannot do; prepacking gives every projection an AMX
@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from engine_helpers import greedy, make_engine, run_engine
 from model_fixtures import make_tiny_llama
-from workers import cpu_ops
-from workers.cpu_linear import LAYOUT_AMX, linear, packable_in_sixteens, prepack_linears
-from workers.decoder import build_model
-from workers.model_config import ModelConfig
-from workers.parallel_state import SINGLE_RANK
+from workers.cpu import kernels as cpu_ops
+from workers.cpu.linear import LAYOUT_AMX, linear, packable_in_sixteens, prepack_linears
+from workers.model.decoder import build_model
+from workers.model.config import ModelConfig
+from workers.distributed.parallel_state import SINGLE_RANK
 
 AMX_ROWS = int(cpu_ops.ops().amx_linear_max_rows()) if cpu_ops.load() else 0
 pytestmark = pytest.mark.skipif(AMX_ROWS == 0, reason="needs tpserve's CPU kernels built for a CPU with AMX "

@@ -16,7 +16,8 @@ import torch
 
 from deployments import cli
 from deployments.config import TpserveConfig
-from workers import placement, runtime
+from workers.distributed import placement
+from workers import runtime
 
 
 # ---- tpserve serve ---------------------------------------------------------------------------
@@ -95,7 +96,7 @@ def test_no_cpuinfo_means_no_fast_bf16(tmp_path):
 
 
 def test_cpuinfo_field_reads_the_first_cpus_line(tmp_path):
-    from workers.cpu_ops import cpuinfo_field
+    from workers.cpu.kernels import cpuinfo_field
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2\n\n"

@@ -19,7 +19,7 @@ from ray.serve._private.config import DeploymentConfig
 
 from bench import vllm_peer
 from model_fixtures import make_tiny_llama
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import SERVE_TEST_CONFIG, deploy, wait_until
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cluster_nodes import TwoNodeCluster, start_two_node_cluster
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 from conftest import SERVE_TEST_CONFIG, deploy, wait_until
 from test_k8s_dashboard import load_dashboard, targets, variable_values
 from k8s_validation import substitute_variables

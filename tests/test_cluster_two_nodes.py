@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from cluster_nodes import HEAD_RESOURCE, WORKER_RESOURCE, alive_nodes_with, start_two_node_cluster
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 from conftest import SERVE_TEST_CONFIG, deploy, wait_until
 from model_fixtures import make_tiny_llama
 

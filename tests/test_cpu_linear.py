@@ -1,4 +1,4 @@
-"""Prepacked oneDNN linears on CPU (workers/cpu_linear.py): F.linear's numbers (bf16 bit for bit), weights
+"""Prepacked oneDNN linears on CPU (workers/cpu/linear.py): F.linear's numbers (bf16 bit for bit), weights
 packed once (a tied LM head keeps the embedding table it shares), and an engine with packing
 generates exactly what one without it does."""
 
@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from engine_helpers import make_engine, run_engine, greedy
 from model_fixtures import make_tiny_llama
-from workers.cpu_linear import can_prepack, linear, prepack_linears
-from workers.decoder import build_model
-from workers.model_config import ModelConfig
-from workers.parallel_state import SINGLE_RANK
+from workers.cpu.linear import can_prepack, linear, prepack_linears
+from workers.model.decoder import build_model
+from workers.model.config import ModelConfig
+from workers.distributed.parallel_state import SINGLE_RANK
 
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if can_prepack(torch.device("cpu"), d)]
 pytestmark = pytest.mark.skipif(not DTYPES, reason="this torch build has no oneDNN (mkldnn) on CPU")

@@ -1,4 +1,4 @@
-"""tpserve's CPU kernels (workers/csrc/cpu_ops.cpp) against the torch code they replace: the same
+"""tpserve's CPU kernels (workers/cpu/csrc/cpu_ops.cpp) against the torch code they replace: the same
 roundings as HF's eager modules in bf16 (nearly all elements bit for bit, none more than one ulp
 apart), float32 within a few ulp; decode attention against the gather + SDPA path on scattered block tables, GQA,
 sliding windows and soft caps, through both the vectorized path (head_dim 64/128: AVX-512, or AVX2
@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from engine_helpers import greedy, make_engine, run_engine
 from kv_layouts import head_major
 from model_fixtures import make_tiny_llama
-from workers import cpu_ops
-from workers.attention import AttentionMetadata, paged_attention, write_kv
-from workers.decode_inputs import decode_mask
-from workers.rotary import RotaryEmbedding
+from workers.cpu import kernels as cpu_ops
+from workers.attention.paged import AttentionMetadata, paged_attention, write_kv
+from workers.runner.decode_inputs import decode_mask
+from workers.model.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
                                                           "(no g++ or ninja; the log says why)")

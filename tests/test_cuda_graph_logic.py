@@ -14,9 +14,9 @@ import torch
 
 from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
-from workers.attention import AttentionMetadata, paged_attention
+from workers.attention.paged import AttentionMetadata, paged_attention
 from scheduler.block_pool import NULL_BLOCK_ID as NULL_BLOCK
-from workers.cuda_graph import (
+from workers.runner.cuda_graph import (
     CudaGraphRunner,
     DecodePlan,
     is_decode_only,
@@ -24,14 +24,14 @@ from workers.cuda_graph import (
     plan_decode,
     select_bucket,
 )
-from workers.decode_inputs import (
+from workers.runner.decode_inputs import (
     DecodeBatch,
     DecodeInputBuffers,
     make_decode_batch,
     pad_decode_batch,
     padded_block_tables,
 )
-from workers.gpu_attention import (
+from workers.attention.graph_decode import (
     DecodeAttention,
     TorchDecodeAttention,
     backend_candidates,
@@ -39,7 +39,7 @@ from workers.gpu_attention import (
     context_block_buckets,
     make_decode_backend,
 )
-from workers.parallel_state import SINGLE_RANK
+from workers.distributed.parallel_state import SINGLE_RANK
 from workers.worker import WorkerConfig, WorkerCore
 
 # The GPU tests' helpers (driver, greedy comparison) live beside them in tests/gpu.
@@ -77,14 +77,14 @@ def test_token_row_sizes_follow_the_decode_sizes_up_to_max_graph_tokens():
 
 
 def test_token_rows_only_with_a_backend_that_reads_blocks_in_place():
-    from workers.cuda_graph import graph_capture_sizes
+    from workers.runner.cuda_graph import graph_capture_sizes
 
     assert graph_capture_sizes("triton", 64, 256, 512)[-1] == 512
     assert graph_capture_sizes("torch", 64, 256, 512) == make_capture_sizes(64, 256)
 
 
 def test_which_steps_with_prefill_tokens_replay_token_row_graphs():
-    from workers.cuda_graph import MAX_TOKEN_ROW_CONTEXT_READS, CudaGraphRunner
+    from workers.runner.cuda_graph import MAX_TOKEN_ROW_CONTEXT_READS, CudaGraphRunner
 
     class InPlaceBackend(TorchDecodeAttention):  # reads blocks in place, as the Triton kernel
         name = "triton"
@@ -253,7 +253,7 @@ def test_cpu_gets_the_torch_backend():
 
 
 def test_a_kernel_library_that_fails_to_load_falls_back_to_torch(monkeypatch):
-    import workers.gpu_attention as ga
+    import workers.attention.graph_decode as ga
 
     # Claimed installed, but importing it fails (no such module here): the start check skips it.
     monkeypatch.setattr(ga, "available_backends", lambda: {"torch", "flashinfer"})

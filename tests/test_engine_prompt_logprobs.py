@@ -12,8 +12,8 @@ import torch
 from scheduler.sampling_params import SamplingParams
 from tests.engine_helpers import PROMPTS, _hf_model, hf_greedy, make_engine
 from tests.model_fixtures import default_model_path
-from workers.input_batch import CachedRequestState
-from workers.prompt_logprobs import mark_scored, plan_prompt_logprobs
+from workers.runner.input_batch import CachedRequestState
+from workers.runner.prompt_logprobs import mark_scored, plan_prompt_logprobs
 
 TOLERANCE = 1e-3
 MAX_TOKENS = 3

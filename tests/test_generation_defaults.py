@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from workers.generation_defaults import GenerationDefaults, parse_generation_config, read_generation_defaults
+from workers.model.generation_defaults import GenerationDefaults, parse_generation_config, read_generation_defaults
 
 # Qwen2.5-Instruct's file, as shipped.
 QWEN25 = {"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],

@@ -28,7 +28,7 @@ def client(tpserve_server) -> openai.OpenAI:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from workers.default_model import ensure_default_model
+    from workers.model.default_model import ensure_default_model
 
     return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 

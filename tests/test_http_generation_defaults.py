@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from test_serving_fake_engine import FakeEngine, post, run
-from workers.generation_defaults import GenerationDefaults
+from workers.model.generation_defaults import GenerationDefaults
 
 MODEL_DEFAULTS = GenerationDefaults(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.1, max_tokens=3)
 

@@ -18,7 +18,7 @@ def http(tpserve_server) -> httpx.Client:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from workers.default_model import ensure_default_model
+    from workers.model.default_model import ensure_default_model
 
     return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 

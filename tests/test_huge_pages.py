@@ -1,4 +1,4 @@
-"""workers/huge_pages.py: CPU buffers on 2 MB pages for the KV cache and packed weights."""
+"""workers/cpu/huge_pages.py: CPU buffers on 2 MB pages for the KV cache and packed weights."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers import huge_pages
-from workers.kv_cache import KVCacheSpec, allocate_kv_cache
+from workers.cpu import huge_pages
+from workers.runner.kv_cache import KVCacheSpec, allocate_kv_cache
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -93,7 +93,7 @@ def test_huge_pages_bench_reports_both_sides(capsys):
     import json
 
     from bench.huge_pages_ab import main
-    from workers import cpu_ops
+    from workers.cpu import kernels as cpu_ops
 
     if not (cpu_ops.load() and torch.ops.tpserve_cpu.panel_linear_available() and huge_pages.enabled()):
         assert main(["--passes", "1"]) == 1  # says why, runs nothing

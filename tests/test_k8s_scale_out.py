@@ -81,7 +81,7 @@ def test_routing_ingress_on_the_head_engine_replicas_on_gpu_workers(monkeypatch)
     from deployments.routing.front import ROUTER_DEPLOYMENT_NAME
 
     # Build as the Serve controller does on the cluster, where Ray reports the GPU pods.
-    monkeypatch.setattr("workers.placement.cluster_has_gpus", lambda: True)
+    monkeypatch.setattr("workers.distributed.placement.cluster_has_gpus", lambda: True)
     app_config = only_app(serve_config_v2())
     deployments = bound_deployments(build_application(app_config))
     ingress, engine = deployments[ROUTER_DEPLOYMENT_NAME], deployments[DEPLOYMENT_NAME]

@@ -1,4 +1,4 @@
-"""The CPU layer stack (workers/layer_stack.py, workers/csrc/layer_stack.cpp): the decoder's layer
+"""The CPU layer stack (workers/model/cpu_layer_stack.py, workers/cpu/csrc/layer_stack.cpp): the decoder's layer
 loop as one call into the kernels must give bit-identical hidden states to the Python loop it
 replaces, on every step an engine runs: decode-only steps, chunked prefills after cached context
 and prefix-cache hits, projections on tpserve's kernels (float32 panel_linear up to its calibrated
@@ -17,8 +17,8 @@ import torch
 from engine_helpers import greedy, make_engine, run_engine
 from family_models import make_tiny_family_model
 from model_fixtures import make_tiny_llama
-from workers import cpu_ops
-from workers.default_model import ensure_default_model
+from workers.cpu import kernels as cpu_ops
+from workers.model.default_model import ensure_default_model
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
                                                           "(no g++ or ninja; the log says why)")

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from workers.kv_cache import (
+from workers.runner.kv_cache import (
     GiB,
     KVCacheSpec,
     KVCacheTooSmallError,
@@ -96,8 +96,8 @@ def test_start_error_for_a_128k_model_on_a_small_budget():
 # ---- the profiling forwards run (CPU: the same code, without the CUDA peak counters) ------------
 def test_profiling_forwards_run_on_a_tiny_model(tmp_path):
     from model_fixtures import make_tiny_llama
-    from workers import profiling
-    from workers.parallel_state import SINGLE_RANK
+    from workers.runner import profiling
+    from workers.distributed.parallel_state import SINGLE_RANK
     from workers.worker import WorkerConfig, WorkerCore
 
     path = make_tiny_llama(tmp_path / "llama", num_heads=8, num_kv_heads=2)

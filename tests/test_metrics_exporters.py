@@ -21,7 +21,7 @@ from metrics.definitions import (
 from metrics.loggers import PrometheusStatLogger, RayStatLogger
 from metrics.startup import cache_config_info
 from metrics.stats import FinishedRequestStats, IterationStats, KVCacheSnapshot, SchedulerStats
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 
 MODEL = "smollm2"
 SPEC_NAMES = {

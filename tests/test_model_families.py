@@ -14,7 +14,7 @@ import torch
 from engine_helpers import PROMPTS, greedy, hf_greedy, kv_gib_for_blocks, make_engine, run_engine
 from family_models import FAMILIES, GEMMA_WINDOW, MISTRAL_WINDOW, make_tiny_family_model
 
-from workers.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from workers.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
 
 NUM_TOKENS = 40
 
@@ -157,7 +157,7 @@ def test_mistral_keeps_only_the_blocks_inside_its_window(tmp_path_factory):
 
 # ---- attention options ------------------------------------------------------------------------
 def test_window_mask_follows_hf_convention():
-    from workers.attention import window_mask
+    from workers.attention.paged import window_mask
 
     mask = window_mask(torch.tensor([5, 9]), 10, 3)
     # A query at p sees keys p-2..p (HF: kv_idx > q_idx - window, kv_idx <= q_idx).
@@ -167,7 +167,7 @@ def test_window_mask_follows_hf_convention():
 
 
 def test_soft_capped_attention_matches_eager_reference_in_query_slices(monkeypatch):
-    import workers.attention as attention
+    import workers.attention.paged as attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 8, 40, 16), torch.randn(1, 4, 40, 16), torch.randn(1, 4, 40, 16)

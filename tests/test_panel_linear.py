@@ -1,4 +1,4 @@
-"""The float32 projection kernel (workers/csrc/panel_linear.cpp): F.linear's numbers at every row
+"""The float32 projection kernel (workers/cpu/csrc/panel_linear.cpp): F.linear's numbers at every row
 count its register tiles split into (1-6 rows and every remainder past a tile of 6), odd K,
 strided rows and biases; the panel packing; refusals; linear() routing; prepack_linears' panel
 copies; the calibration against oneDNN at load; an engine's tokens with the kernel on and off."""
@@ -11,12 +11,12 @@ import torch.nn.functional as F
 
 from engine_helpers import greedy, make_engine, run_engine
 from model_fixtures import make_tiny_llama
-from workers import cpu_ops
-from workers.cpu_linear import (LAYOUT_PANEL, PANEL_ALL_ROWS, PANEL_PROBES, calibrate_panel_rows, can_prepack,
+from workers.cpu import kernels as cpu_ops
+from workers.cpu.linear import (LAYOUT_PANEL, PANEL_ALL_ROWS, PANEL_PROBES, calibrate_panel_rows, can_prepack,
                                 choose_panel_rows, linear, prepack_linears)
-from workers.decoder import build_model
-from workers.model_config import ModelConfig
-from workers.parallel_state import SINGLE_RANK
+from workers.model.decoder import build_model
+from workers.model.config import ModelConfig
+from workers.distributed.parallel_state import SINGLE_RANK
 
 AVAILABLE = cpu_ops.load() and bool(cpu_ops.ops().panel_linear_available())
 pytestmark = pytest.mark.skipif(not AVAILABLE or not can_prepack(torch.device("cpu"), torch.float32),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.parallel_state import local_device_assignment, nccl_environment
+from workers.distributed.parallel_state import local_device_assignment, nccl_environment
 
 
 def test_every_rank_sees_its_nodes_gpus_and_uses_its_own():

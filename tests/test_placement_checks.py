@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deployments.config import TpserveConfig
-from workers.placement import (
+from workers.distributed.placement import (
     PlacementError,
     local_ray_num_cpus,
     placement_bundles,

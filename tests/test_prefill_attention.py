@@ -1,4 +1,4 @@
-"""The CPU prefill attention kernel (workers/csrc/prefill_attention.cpp) against the torch path it
+"""The CPU prefill attention kernel (workers/cpu/csrc/prefill_attention.cpp) against the torch path it
 replaces (SDPA per chunk: causal from its own K/V at position 0, gathered blocks and a mask after
 cached context): one call for several chunks, chunks at position 0 and after cached tokens, query
 lengths across the kernel's 16-token query tiles and 64-key tiles, GQA, sliding windows and soft
@@ -16,9 +16,9 @@ import torch
 from engine_helpers import greedy, make_engine, run_engine
 from kv_layouts import head_major
 from model_fixtures import make_tiny_llama
-from workers import cpu_ops
-from workers.attention import AttentionMetadata, PrefillChunk, paged_attention
-from workers.decode_inputs import padded_block_tables
+from workers.cpu import kernels as cpu_ops
+from workers.attention.paged import AttentionMetadata, PrefillChunk, paged_attention
+from workers.runner.decode_inputs import padded_block_tables
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
                                                           "(no g++ or ninja; the log says why)")
@@ -118,7 +118,7 @@ def test_bf16_sdpa_path_pads_rows_and_matches_unpadded_sdpa(chunks):
     see exactly their own keys: the result is within rounding of SDPA on the unpadded rows."""
     import torch.nn.functional as F
 
-    from workers.attention import SDPA_ROW_ALIGN, gather_blocks, sdpa_rows
+    from workers.attention.paged import SDPA_ROW_ALIGN, gather_blocks, sdpa_rows
 
     assert any(sdpa_rows(n) != n for n, _ in chunks) and sdpa_rows(SDPA_ROW_ALIGN) == SDPA_ROW_ALIGN
     q, k, v, k_cache, v_cache, meta = _step(torch.bfloat16, 9, 3, 64, chunks)

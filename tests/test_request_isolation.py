@@ -18,7 +18,7 @@ import pytest
 
 from deployments.engine.async_engine import AsyncEngine, RequestStream
 from deployments.engine.engine import merge_eos_token_ids
-from workers.generation_defaults import read_generation_defaults
+from workers.model.generation_defaults import read_generation_defaults
 from deployments.engine.engine_metrics import EngineMetrics
 from deployments.engine.output_processor import OUTPUT_FAILED_MESSAGE
 from deployments.engine.outputs import RequestOutput

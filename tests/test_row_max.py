@@ -1,4 +1,4 @@
-"""The CPU kernels' row_max (workers/csrc/row_max.cpp), the sampler's greedy argmax: the values
+"""The CPU kernels' row_max (workers/cpu/csrc/row_max.cpp), the sampler's greedy argmax: the values
 and first indices torch.max(dim=-1) gives, on ties, NaN, +inf and all -inf rows, odd widths
 (the vector loop's tail), strided rows; and the sampler's greedy tokens with it."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers import cpu_ops
-from workers.sampler import row_max
+from workers.cpu import kernels as cpu_ops
+from workers.sampling.sampler import row_max
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
                                                           "(no g++ or ninja; the log says why)")

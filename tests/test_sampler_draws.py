@@ -14,7 +14,7 @@ import torch
 
 from scheduler.sampling_params import SamplingParams as SP
 from tests.sampling_reference import hf_reference, row
-from workers.sampler import NON_FINITE_LOGITS, NOTHING_ALLOWED, sample
+from workers.sampling.sampler import NON_FINITE_LOGITS, NOTHING_ALLOWED, sample
 
 NUM_DRAWS = 20_000
 

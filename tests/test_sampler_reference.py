@@ -16,8 +16,8 @@ import torch
 
 from scheduler.sampling_params import SamplingParams as SP
 from tests.sampling_reference import hf_reference, row
-from workers.sampling_filters import filtered_probs
-from workers.sampling_penalties import apply_request_processors
+from workers.sampling.filters import filtered_probs
+from workers.sampling.penalties import apply_request_processors
 
 # One row each, all in one batch. Values chosen to hit each rule's edges: ties at the k-th,
 # top_p tiny / just under 1, top_k above the vocabulary, temperature near 0, min_p 1.

@@ -1,4 +1,4 @@
-"""skinny_linear (workers/csrc/skinny_linear.cpp), bf16 only since panel_linear took float32
+"""skinny_linear (workers/cpu/csrc/skinny_linear.cpp), bf16 only since panel_linear took float32
 (tests/test_panel_linear.py): the exact sum of products rounded once, odd shapes and strided rows
 included, and refusals; a bf16 engine takes amx_linear or skinny_linear where the CPU has them, with
 the packed GEMM's tokens."""
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from engine_helpers import greedy, make_engine, run_engine
 from model_fixtures import make_tiny_llama
-from workers import cpu_ops
-from workers.cpu_linear import can_prepack
+from workers.cpu import kernels as cpu_ops
+from workers.cpu.linear import can_prepack
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="needs tpserve's CPU kernels (a C++ compiler)")
 

@@ -17,8 +17,8 @@ from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine
 from model_fixtures import default_model_path, make_tiny_llama
 from scheduler.sampling_params import SamplingParams
-from workers.kv_cache import GiB, kv_spec_for
-from workers.model_config import ModelConfig
+from workers.runner.kv_cache import GiB, kv_spec_for
+from workers.model.config import ModelConfig
 
 NUM_PROMPTS = 8
 MAX_TOKENS = 32

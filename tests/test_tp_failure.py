@@ -23,9 +23,9 @@ from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine, make_worker_config
 from model_fixtures import make_tiny_llama
 from scheduler.sampling_params import SamplingParams
-from workers.executor import ExecutorError
-from workers.model_config import ModelConfig
-from workers.ray_executor import RayExecutor
+from workers.executors.executor import ExecutorError
+from workers.model.config import ModelConfig
+from workers.executors.ray_executor import RayExecutor
 
 PROMPT = [1, 504, 2001, 97, 3300, 12, 44, 9000]
 

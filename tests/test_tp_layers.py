@@ -28,7 +28,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _check_column(tp) -> float:
-    from workers.tp_layers import ColumnParallelLinear
+    from workers.model.tp_layers import ColumnParallelLinear
 
     torch.manual_seed(0)
     gate, up, bias, x = torch.randn(8, 12), torch.randn(6, 12), torch.randn(14), torch.randn(3, 12)
@@ -44,7 +44,7 @@ def _check_column(tp) -> float:
 
 
 def _check_qkv(tp, num_kv_heads: int) -> float:
-    from workers.tp_layers import QKVParallelLinear
+    from workers.model.tp_layers import QKVParallelLinear
 
     heads, head_dim, hidden = 4, 3, 10
     torch.manual_seed(1)
@@ -68,7 +68,7 @@ def _check_qkv(tp, num_kv_heads: int) -> float:
 
 
 def _check_row(tp) -> float:
-    from workers.tp_layers import RowParallelLinear
+    from workers.model.tp_layers import RowParallelLinear
 
     torch.manual_seed(2)
     weight, bias, x = torch.randn(5, 12), torch.randn(5), torch.randn(3, 12)
@@ -80,7 +80,7 @@ def _check_row(tp) -> float:
 
 
 def _check_embedding(tp) -> float:
-    from workers.tp_layers import VocabParallelEmbedding
+    from workers.model.tp_layers import VocabParallelEmbedding
 
     torch.manual_seed(3)
     table = torch.randn(11, 6)  # 11 rows: not divisible by 2, the last shard is padded
@@ -91,7 +91,7 @@ def _check_embedding(tp) -> float:
 
 
 def _check_lm_head(tp) -> float:
-    from workers.tp_layers import ParallelLMHead
+    from workers.model.tp_layers import ParallelLMHead
 
     torch.manual_seed(4)
     table, hidden = torch.randn(11, 6), torch.randn(4, 6)
@@ -107,8 +107,8 @@ def _param_bytes(model_path: str, tp) -> dict[str, int]:
     """This rank's parameter bytes vs the checkpoint's sharded and replicated bytes."""
     from safetensors import safe_open
 
-    from workers.decoder import DecoderForCausalLM
-    from workers.model_config import ModelConfig
+    from workers.model.decoder import DecoderForCausalLM
+    from workers.model.config import ModelConfig
 
     model = DecoderForCausalLM(ModelConfig.from_pretrained(model_path), tp)
     model.load_weights(model_path)
@@ -129,7 +129,7 @@ def _param_bytes(model_path: str, tp) -> dict[str, int]:
 def _check_control_channel(rank: int, store_port: int) -> float:
     """The gloo dispatch's channel: rank 0 plays the engine (control rank 0). Small and large
     (overflowing the fixed buffer) messages both ways; 0.0 when all arrive intact."""
-    from workers.control_channel import ControlChannel, make_control_channel, make_control_store
+    from workers.distributed.control_channel import ControlChannel, make_control_channel, make_control_store
 
     store = make_control_store("127.0.0.1", store_port, WORLD_SIZE, is_engine=rank == 0)
     channel = make_control_channel(store, rank, WORLD_SIZE, timeout_s=60)
@@ -149,7 +149,7 @@ def _check_control_channel(rank: int, store_port: int) -> float:
 def _run_rank(rank: int, port: int, out_dir: str, model_path: str, store_port: int) -> None:
     import torch.distributed as dist
 
-    from workers.parallel_state import TPGroup
+    from workers.distributed.parallel_state import TPGroup
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)

@@ -1,6 +1,6 @@
 """Tensor parallelism through Ray Serve over HTTP: a tiny Llama at tensor_parallel_size=2.
 
-The replica's placement group holds the replica and both worker actors (workers/placement.py);
+The replica's placement group holds the replica and both worker actors (workers/distributed/placement.py);
 completions stream as they do at TP=1; killing one worker actor makes the in-flight stream end
 with an error within seconds, /health answer 503, and Serve replace the replica, which serves
 again. Uses the session's Serve instance (tests/conftest.py) with an app of its own.

@@ -20,14 +20,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (it is in the `test` extra)")
 
 from scheduler.block_pool import NULL_BLOCK_ID  # noqa: E402
-from workers.gpu_attention import (  # noqa: E402
+from workers.attention.graph_decode import (  # noqa: E402
     DecodeAttention,
     TorchDecodeAttention,
     TritonDecodeAttention,
     check_against_reference,
     torch_paged_decode,
 )
-from workers.triton_paged_attention import num_kv_splits, triton_paged_decode  # noqa: E402
+from workers.attention.triton_decode import num_kv_splits, triton_paged_decode  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -190,8 +190,8 @@ def test_graph_runner_with_the_triton_kernel_is_token_identical_to_the_cpu_path(
     sys.path.insert(0, str(Path(__file__).parent / "gpu"))
     from gpu_helpers import RerunCapturer, StepDriver, compare_greedy, random_prompts
     from model_fixtures import make_tiny_llama
-    from workers.cuda_graph import CudaGraphRunner
-    from workers.parallel_state import SINGLE_RANK
+    from workers.runner.cuda_graph import CudaGraphRunner
+    from workers.distributed.parallel_state import SINGLE_RANK
     from workers.worker import WorkerConfig, WorkerCore
 
     path = make_tiny_llama(tmp_path / "llama", num_heads=8, num_kv_heads=2)
@@ -233,7 +233,7 @@ def test_token_row_graphs_serve_steps_with_prefill_chunks_with_the_flat_paths_to
     from engine_helpers import greedy, make_engine, run_engine
     from gpu_helpers import RerunCapturer
     from model_fixtures import make_tiny_llama
-    from workers.cuda_graph import CudaGraphRunner, make_capture_sizes
+    from workers.runner.cuda_graph import CudaGraphRunner, make_capture_sizes
 
     path = make_tiny_llama(tmp_path / "llama", num_heads=8, num_kv_heads=2, num_layers=1)
     budget = 12

@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from workers.cpu_ops import cpu_flags
-from workers.executor import Executor
+from workers.cpu.kernels import cpu_flags
+from workers.executors.executor import Executor
 from workers.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def worker_device(tensor_parallel_size: int) -> str:
     """Where the ranks run. With TP > 1 the replica holds no GPU itself (its workers do), so the
     cluster is asked rather than this process."""
     if tensor_parallel_size > 1:
-        from workers.placement import cluster_has_gpus
+        from workers.distributed.placement import cluster_has_gpus
 
         return "cuda" if cluster_has_gpus() else "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,10 +50,10 @@ def make_executor(worker_config: WorkerConfig, tensor_parallel_size: int, placem
                   step_timeout_s: float, cpu_threads: int | None) -> Executor:
     """In-process for TP=1 (no actor hop per step); one Ray actor per rank otherwise."""
     if tensor_parallel_size == 1:
-        from workers.executor import InProcessExecutor
+        from workers.executors.executor import InProcessExecutor
 
         return InProcessExecutor(worker_config)
-    from workers.ray_executor import RayExecutor
+    from workers.executors.ray_executor import RayExecutor
 
     return RayExecutor(worker_config, tensor_parallel_size, placement_strategy,
                        step_timeout_s=step_timeout_s, num_threads_per_rank=cpu_threads)

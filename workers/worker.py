@@ -13,16 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from workers import cpu_ops
-from workers.cpu_linear import (LAYOUT_AMX, LAYOUT_PANEL, LAYOUT_PLAIN, calibrate_panel_rows, can_prepack,
+from workers.cpu import kernels as cpu_ops
+from workers.cpu.linear import (LAYOUT_AMX, LAYOUT_PANEL, LAYOUT_PLAIN, calibrate_panel_rows, can_prepack,
                                 packable_in_sixteens, prepack_linears)
-from workers.cuda_graph import CudaGraphRunner, make_graph_runner
-from workers.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, check_room_for_one_request, gpu_kv_budget,
+from workers.runner.cuda_graph import CudaGraphRunner, make_graph_runner
+from workers.runner.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, check_room_for_one_request, gpu_kv_budget,
                               kv_spec_for, num_blocks_for_budget)
-from workers.decoder import DecoderForCausalLM, build_model
-from workers.model_config import ModelConfig
-from workers.model_runner import ModelRunner
-from workers.parallel_state import TPGroup
+from workers.model.decoder import DecoderForCausalLM, build_model
+from workers.model.config import ModelConfig
+from workers.runner.model_runner import ModelRunner
+from workers.distributed.parallel_state import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -49,26 +49,26 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_cuda_graph_batch_size: int = 256
     # GPU only: steps with prefill tokens of up to this many tokens in all replay graphs too, one
-    # row per token (workers/cuda_graph.py, token rows); 0: decode-only graphs.
+    # row per token (workers/runner/cuda_graph.py, token rows); 0: decode-only graphs.
     max_cuda_graph_tokens: int = 0
     # Decode attention kernel on GPU: "auto", "torch", "flash_attn" or "flashinfer".
     decode_attention: str = "auto"
-    # CPU only: prepack linear weights for oneDNN once after loading (workers/cpu_linear.py).
+    # CPU only: prepack linear weights for oneDNN once after loading (workers/cpu/linear.py).
     cpu_prepack_linear: bool = True
     # CPU only: tpserve's own kernels for norms, rotary, SiLU, KV write and decode attention
-    # (workers/cpu_ops.py), where they build on this machine.
+    # (workers/cpu/kernels.py), where they build on this machine.
     cpu_kernels: bool = True
     # CPU, with prepacking and the kernels: batches of up to as many rows as panel_linear was
     # timed faster than oneDNN at load (float32, on a copy of each weight in panels; on a Zen 3
     # every batch), 64 (bf16 with AMX: amx_linear on an AMX tile copy) or 8 (bf16 with
     # AVX512-BF16 only: skinny_linear on the plain weight) run tpserve's own kernel
-    # (workers/cpu_linear.py).
+    # (workers/cpu/linear.py).
     cpu_small_batch_linear: bool = True
     # CPU, float32, with the kernels: prefill chunks through the kernels' flash attention over
-    # the paged cache (workers/csrc/prefill_attention.cpp) instead of torch's SDPA.
+    # the paged cache (workers/cpu/csrc/prefill_attention.cpp) instead of torch's SDPA.
     cpu_prefill_attention: bool = True
     # CPU, one rank, with the kernels: the layer loop as one call into them for the models it
-    # serves (workers/layer_stack.py).
+    # serves (workers/model/cpu_layer_stack.py).
     cpu_layer_stack: bool = True
 
 
@@ -161,7 +161,7 @@ class WorkerCore:
         if self.device.type != "cuda":
             budget = int(cfg.kv_cache_memory_gib * GiB)
             return budget, f"kv_cache_memory_gib={cfg.kv_cache_memory_gib} (CPU)"
-        from workers.profiling import profile_memory
+        from workers.runner.profiling import profile_memory
 
         budget, note = gpu_kv_budget(profile_memory(self.model, self.device, cfg, param_bytes),
                                      cfg.gpu_memory_utilization)

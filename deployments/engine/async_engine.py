@@ -22,7 +22,7 @@ from deployments.engine.exceptions import SERVER_SHUTTING_DOWN, EngineDeadError,
 from deployments.engine.outputs import RequestOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
-from workers.executor import ExecutorError
+from workers.executors.executor import ExecutorError
 
 logger = logging.getLogger("tpserve")
 

@@ -19,9 +19,9 @@ from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import RequestUpdate, Scheduler
-from workers.executor import Executor
-from workers.generation_defaults import GenerationDefaults, read_generation_defaults
-from workers.model_config import ModelConfig
+from workers.executors.executor import Executor
+from workers.model.generation_defaults import GenerationDefaults, read_generation_defaults
+from workers.model.config import ModelConfig
 from workers.runtime import make_executor, resolve_dtype, set_cpu_threads, worker_device
 from workers.worker import WorkerConfig
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 def resolve_model_path(config: TpserveConfig) -> str:
     if config.model:
         return config.model
-    from workers.default_model import ensure_default_model
+    from workers.model.default_model import ensure_default_model
 
     return str(ensure_default_model())
 

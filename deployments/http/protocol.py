@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deployments.http.response_format import ResponseFormat
 from scheduler.sampling_params import SamplingParams
-from workers.generation_defaults import GenerationDefaults
+from workers.model.generation_defaults import GenerationDefaults
 
 # Most top logprobs a request may ask for (OpenAI's limit for chat; vLLM's default cap).
 MAX_LOGPROBS = 20

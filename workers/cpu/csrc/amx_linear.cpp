@@ -1,0 +1,270 @@
+// amx_linear: y = x W^T (+ bias) in bfloat16 on AMX tiles (Intel Sapphire Rapids and later), over
+// a copy of W packed once into the tiles' VNNI layout (amx_pack_weight).
+//
+// Why: a decode step at up to a few dozen requests multiplies that many rows by every weight of
+// the model, so it is bound by how fast the weights stream from memory. oneDNN's prepacked AMX
+// GEMM (workers/cpu/linear.py) streamed the default model's projections and LM head (269 MB) at
+// 7-11 GB/s on a 2-core Xeon where a plain read of the same bytes runs at ~15 GB/s; this kernel
+// loads each weight tile from memory once per call, prefetched, and streams them at 14-17 GB/s up
+// to 16 rows, 11-14 at 32 (amx_linear_max_rows gives the figures and where it stops). It also
+// replaces skinny_linear's bf16 loop: as fast at 1-4 rows, 1.4x at 8 (24.1 -> 17.0 ms), and one
+// copy of the weights in AMX tile order replaces the plain one skinny_linear kept.
+//
+// Layout: packed[nb][kb] is one 16 x 64-byte B tile: rows are pairs of K (k = 32 kb + 2 p + j),
+// each row 16 output columns (n = 16 nb + c) of two bf16 each, i.e. tile[p][2 c + j] =
+// W[16 nb + c][32 kb + 2 p + j]; K is zero-padded to a multiple of 32. One n block's tiles are
+// contiguous, so each task streams one run of memory.
+//
+// Loop: per 16 output columns, up to four 16-row blocks of x accumulate in four C tiles
+// (tmm0-3) while each B tile (tmm6) is loaded once and the A tiles (tmm4-5) come from x, packed
+// per call into tile order (pack_rows) so they stay in L1; more than 64 rows take the same n block
+// again per 64, its B tiles then from L1/L2. Tried and dropped: two n blocks x two row blocks per
+// pass (4 C, 2 A, 2 B tiles; four loads per four products instead of five): 1.0-1.3x slower.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TPSERVE_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kTileRows = 16;  // rows of x per A / C tile, pairs of K per B tile
+constexpr int64_t kTileK = 32;     // bf16 values of K per A tile row
+constexpr int64_t kTileN = 16;     // output columns per B / C tile
+constexpr int64_t kMaxRowBlocks = 4;  // C tiles per n block: 64 rows of x per pass
+// Each B tile's 16 lines are prefetched this many tiles ahead (into L1). Measured over the default
+// model's projections and LM head (cache-cold, 2-core Xeon): without software prefetch 1 row took
+// 23.0 ms and 32 rows 31.3; prefetching 2 of each tile's lines 4 tiles ahead 16.8 and 27.1; all 16
+// lines 4-6 tiles ahead 15.8-18.5 and 19.5-22.8 (2 tiles: 18.1 and 23.3; into L2 only: no better).
+constexpr int64_t kPrefetchTiles = 4;
+
+#if defined(TPSERVE_AMX)
+// Linux gives a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction kills the process with SIGILL.
+// oneDNN asks the same way; asking twice is harmless.
+bool request_amx_permission() {
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+bool amx_usable() {
+  static std::once_flag once;
+  static bool usable = false;
+  std::call_once(once, [] { usable = request_amx_permission(); });
+  return usable;
+}
+
+// The 64-byte tile configuration (palette 1): tmm0-3 C (16 x 16 float32), tmm4-5 A (16 rows x 32
+// bf16), tmm6 B (16 pairs x 16 columns x 2 bf16).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// C tile `tile` (16 x 16 float32) to rows [row0, row0 + rows) and columns [n0, n0 + cols) of y,
+// plus bias, rounded once to bf16 (round to nearest even, as c10::BFloat16 does): one vector per
+// row, as a scalar loop here cost more than the tile work itself (measured: 30 layers at 64 rows).
+// (GCC's tile intrinsics are macros that paste the tile number into the instruction: literals only.)
+inline void store_c(int tile, float* scratch, c10::BFloat16* y, int64_t y_stride, int64_t row0, int64_t rows,
+                    int64_t n0, int64_t cols, const float* bias) {
+  switch (tile) {
+    case 0: _tile_stored(0, scratch, 64); break;
+    case 1: _tile_stored(1, scratch, 64); break;
+    case 2: _tile_stored(2, scratch, 64); break;
+    default: _tile_stored(3, scratch, 64); break;
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_add_ps(_mm512_load_ps(scratch + r * kTileN), b);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    _mm256_mask_storeu_epi16(y + (row0 + r) * y_stride + n0, mask, h);
+  }
+}
+
+// One n block (16 output columns) for R row blocks of x: C tiles 0..R-1 over all K, each B tile
+// loaded once. `a` is x in A-tile order (pack_rows): the R tiles of one k block lie together,
+// `kb_stride` bytes from the next k block's.
+template <int R>
+void n_block(const char* a, int64_t kb_stride, const char* b, int64_t k_blocks) {
+  if (R > 0) _tile_zero(0);
+  if (R > 1) _tile_zero(1);
+  if (R > 2) _tile_zero(2);
+  if (R > 3) _tile_zero(3);
+  for (int64_t kb = 0; kb < k_blocks; ++kb, a += kb_stride, b += 1024) {
+    for (int line = 0; line < 16; ++line) _mm_prefetch(b + kPrefetchTiles * 1024 + line * 64, _MM_HINT_T0);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(4, a, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (R > 1) {
+      _tile_loadd(5, a + 1024, 64);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if (R > 2) {
+      _tile_loadd(4, a + 2048, 64);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if (R > 3) {
+      _tile_loadd(5, a + 3072, 64);
+      _tile_dpbf16ps(3, 5, 6);
+    }
+  }
+}
+
+template <int R>
+void n_block_and_store(const char* a, int64_t kb_stride, const char* b, int64_t k_blocks, float* scratch,
+                       c10::BFloat16* y, int64_t N, int64_t row0, int64_t M, int64_t n0, const float* bias) {
+  n_block<R>(a, kb_stride, b, k_blocks);
+  const int64_t cols = std::min(kTileN, N - n0);
+  auto rows_of = [&](int64_t block) { return std::min(kTileRows, M - row0 - block * kTileRows); };
+  for (int t = 0; t < R; ++t) store_c(t, scratch, y, N, row0 + t * kTileRows, rows_of(t), n0, cols, bias);
+}
+
+// x [M, K] into A-tile order [k_blocks][row_blocks][16][32], zero-padded: each tile's 1 KB
+// contiguous and one k block's tiles side by side, so that the tile loads stream from L1 (rows of
+// x 2 K bytes apart, 64 rows at K = 576 already spill L1; measured 1.2-1.6x slower at 64 rows).
+at::Tensor pack_rows(const at::Tensor& x, int64_t row_blocks, int64_t k_blocks) {
+  // Only the padding is zeroed (rows past M, K past its last multiple of 32): a zero-filled
+  // buffer cost one more pass over it per projection.
+  at::Tensor out = at::empty({k_blocks, row_blocks, kTileRows, kTileK}, x.options());
+  const int64_t M = x.size(0), K = x.size(1), stride = x.stride(0);
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  for (int64_t m = 0; m < row_blocks * kTileRows; ++m) {
+    const int64_t rb = m / kTileRows, r = m % kTileRows;
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      uint16_t* row = dst + ((kb * row_blocks + rb) * kTileRows + r) * kTileK;
+      const int64_t k0 = kb * kTileK, n = m < M ? std::min(kTileK, K - k0) : 0;
+      if (n > 0) std::memcpy(row, src + m * stride + k0, n * 2);
+      if (n < kTileK) std::memset(row + n, 0, (kTileK - n) * 2);
+    }
+  }
+  return out;
+}
+#endif
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// W [N, K] bf16 -> the B-tile layout in the header, [N/16, ceil(K/32), 16, 32] bf16. N must be a
+// multiple of 16 (so amx_linear reads N off the packed shape; every projection of the supported
+// models is, TP shards included), K is zero-padded.
+at::Tensor amx_pack_weight(const at::Tensor& weight_in) {
+  TORCH_CHECK(weight_in.dim() == 2 && weight_in.scalar_type() == at::kBFloat16,
+              "amx_pack_weight: a 2-D bfloat16 weight [N, K]");
+  TORCH_CHECK(weight_in.size(0) % kTileN == 0, "amx_pack_weight: N (", weight_in.size(0), ") must be a multiple of ",
+              kTileN);
+  const at::Tensor w = weight_in.contiguous();
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t nbs = round_up(N, kTileN) / kTileN, kbs = round_up(K, kTileK) / kTileK;
+  at::Tensor packed = at::zeros({nbs, kbs, kTileRows, kTileK}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, nbs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t kb = 0; kb < kbs; ++kb) {
+        uint16_t* tile = dst + (nb * kbs + kb) * kTileRows * kTileK;
+        for (int64_t c = 0; c < kTileN && nb * kTileN + c < N; ++c)
+          for (int64_t kk = 0; kk < kTileK && kb * kTileK + kk < K; ++kk)
+            tile[(kk / 2) * kTileK + 2 * c + (kk % 2)] = src[(nb * kTileN + c) * K + kb * kTileK + kk];
+      }
+  });
+  return packed;
+}
+
+// y [M, N] = x [M, K] W^T + bias, W given packed (amx_pack_weight).
+at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "amx_linear: x must be bfloat16 [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kTileRows && packed.size(3) == kTileK,
+              "amx_linear: the weight must come from amx_pack_weight");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  const int64_t nbs = packed.size(0), kbs = packed.size(1), N = nbs * kTileN;
+  TORCH_CHECK(kbs == round_up(K, kTileK) / kTileK, "amx_linear: x [", M, ", ", K,
+              "] does not fit the packed weight's K (", kbs * kTileK, " padded)");
+  at::Tensor b;  // float32, added to the float32 sums before the one rounding
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "amx_linear: bias must be [N]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x_in.options());
+#if defined(TPSERVE_AMX)
+  TORCH_CHECK(amx_usable(), "amx_linear: the OS did not grant this process the AMX tile state");
+  if (M == 0 || N == 0) return y;
+  TORCH_CHECK(x_in.stride(1) == 1, "amx_linear: x's rows must be contiguous");
+  const int64_t row_blocks = round_up(M, kTileRows) / kTileRows;
+  const at::Tensor xt = pack_rows(x_in, row_blocks, kbs);
+  const char* ap = reinterpret_cast<const char*>(xt.data_ptr<c10::BFloat16>());
+  const char* wp = reinterpret_cast<const char*>(packed.data_ptr<c10::BFloat16>());
+  const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t kb_stride = row_blocks * 1024;
+  at::parallel_for(0, nbs, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float scratch[kTileRows * kTileN];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const char* bt = wp + nb * kbs * 1024;
+      for (int64_t rb = 0; rb < row_blocks; rb += kMaxRowBlocks) {
+        const char* a = ap + rb * 1024;
+        const int64_t row0 = rb * kTileRows, n0 = nb * kTileN;
+        switch (std::min(kMaxRowBlocks, row_blocks - rb)) {
+          case 1: n_block_and_store<1>(a, kb_stride, bt, kbs, scratch, yp, N, row0, M, n0, bias_ptr); break;
+          case 2: n_block_and_store<2>(a, kb_stride, bt, kbs, scratch, yp, N, row0, M, n0, bias_ptr); break;
+          case 3: n_block_and_store<3>(a, kb_stride, bt, kbs, scratch, yp, N, row0, M, n0, bias_ptr); break;
+          default: n_block_and_store<4>(a, kb_stride, bt, kbs, scratch, yp, N, row0, M, n0, bias_ptr); break;
+        }
+      }
+    }
+    _tile_release();
+  });
+#else
+  TORCH_CHECK(false, "amx_linear: built without AMX (amx_linear_max_rows() is 0)");
+#endif
+  return y;
+}
+
+// The most x rows for which the engine should call amx_linear instead of oneDNN's packed GEMM; 0
+// where it cannot run (built without AMX, or the OS refused the tile state). Measured on a 2-core
+// Xeon over the default model's 30 layers of projections and its LM head (269 MB, cache-cold,
+// bf16), oneDNN -> amx_linear, two runs each (this VM's speed drifts by up to 1.6x between runs):
+// 1 row 32.1 -> 18.5 and 20.0 -> 15.8 ms; 32 rows 41.4 -> 22.3 and 22.7 -> 19.5; 48 rows
+// 29.7 -> 25.7 and 28.3 -> 22.1; 64 rows 25.4 -> 24.7 and 25.8 -> 23.6; 96 rows 55.2 -> 54.5 and
+// 32.1 -> 34.5; 128 rows 61.6 -> 68.2 and 35.6 -> 42.8. From ~64 rows the tile products, not the
+// weights, bound it, and oneDNN's blocking does better there.
+int64_t amx_linear_max_rows() {
+#if defined(TPSERVE_AMX)
+  return amx_usable() ? 64 : 0;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.def("amx_pack_weight(Tensor weight) -> Tensor", &amx_pack_weight);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &amx_linear);
+  m.def("amx_linear_max_rows() -> int", &amx_linear_max_rows);
+}

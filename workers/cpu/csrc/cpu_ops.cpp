@@ -1,0 +1,673 @@
+// tpserve's CPU kernels (issue 11, lever 5): the decode-step ops that eager torch runs as many
+// small calls, each one call here. Loaded by workers/cpu/kernels.py (built once per machine with
+// -march=native; torch's own OpenMP team runs the parallel loops).
+//
+// Numerics follow Hugging Face transformers' eager modules op by op: every intermediate that HF
+// keeps in the model dtype is rounded to it here too (round_to), so bf16 results match the
+// reference's roundings, not just its math. Float math is in fp32 throughout.
+//
+//   rms_norm            Llama: w * bf16(x * rsqrt(mean(x^2) + eps)); Gemma (offset 1): (1 + w) * ..., one rounding
+//   add_rms_norm        residual = x + y (rounded), then rms_norm(residual): one call for both
+//   silu_and_mul        bf16(silu(gate)) * up, gate/up the two halves of one projection
+//   rotary_             q, k rotated in place (rotate-half layout, cos/sin rows by position)
+//   reshape_and_cache   this step's K/V written into their slots of the paged caches
+//   paged_decode_attention  one query token per request against its context read from the KV
+//                       blocks in place (no gather, no padding); GQA heads share each K/V row read;
+//                       optional sliding window and logit soft cap
+
+#include "vec.h"
+
+namespace {
+
+using namespace tpserve;
+
+// Rows per parallel task: small batches stay on the calling thread (an OpenMP fork costs more
+// than normalizing a few rows).
+constexpr int64_t kRowGrain = 16;
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, const T* w, T* out, int64_t rows, int64_t n, double eps,
+                   double offset) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      T* o = out + r * n;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if (n % 16 == 0) {
+        __m512 ssv = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+          const __m512 xv = load16(xr + i);
+          ssv = _mm512_fmadd_ps(xv, xv, ssv);
+        }
+        const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(ssv) / static_cast<float>(n) + static_cast<float>(eps));
+        const __m512 invv = _mm512_set1_ps(inv), off = _mm512_set1_ps(static_cast<float>(offset));
+        for (int64_t i = 0; i < n; i += 16) {
+          const __m512 normed = _mm512_mul_ps(load16(xr + i), invv);
+          store16(o + i, offset == 0.0 ? _mm512_mul_ps(load16(w + i), round_vec(normed, static_cast<T*>(nullptr)))
+                                       : _mm512_mul_ps(normed, _mm512_add_ps(off, load16(w + i))));
+        }
+        continue;
+      }
+#elif defined(TPSERVE_AVX2)
+      if (n % 8 == 0) {
+        __m256 ssv = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) {
+          const __m256 xv = load8(xr + i);
+          ssv = _mm256_fmadd_ps(xv, xv, ssv);
+        }
+        const float inv = 1.f / std::sqrt(hsum8(ssv) / static_cast<float>(n) + static_cast<float>(eps));
+        const __m256 invv = _mm256_set1_ps(inv), off = _mm256_set1_ps(static_cast<float>(offset));
+        for (int64_t i = 0; i < n; i += 8) {
+          const __m256 normed = _mm256_mul_ps(load8(xr + i), invv);
+          store8(o + i, offset == 0.0 ? _mm256_mul_ps(load8(w + i), round_vec8(normed, static_cast<T*>(nullptr)))
+                                      : _mm256_mul_ps(normed, _mm256_add_ps(off, load8(w + i))));
+        }
+        continue;
+      }
+#endif
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) {
+        buf[i] = to_f(xr[i]);
+        ss += buf[i] * buf[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+      if (offset == 0.0) {
+        // Llama: the normalized row is cast to the model dtype, then scaled by the weight.
+        for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(buf[i] * inv));
+      } else {
+        // Gemma: scaled by (offset + w) in fp32, one cast at the end.
+        const float off = static_cast<float>(offset);
+        for (int64_t i = 0; i < n; ++i) o[i] = from_f<T>(buf[i] * inv * (off + to_f(w[i])));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  TPSERVE_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), weight.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), eps, offset);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                                                double eps, double offset) {
+  check_rows(x, "x");
+  check_rows(y, "y");
+  TORCH_CHECK(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type());
+  auto residual = at::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t rows = x.size(0), n = x.size(1);
+  TPSERVE_DISPATCH(x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* yp = y.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* xr = xp + r * x.stride(0);
+        const scalar_t* yr = yp + r * y.stride(0);
+        scalar_t* rr = rp + r * n;
+        int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        for (; i + 16 <= n; i += 16) store16(rr + i, _mm512_add_ps(load16(xr + i), load16(yr + i)));
+#elif defined(TPSERVE_AVX2)
+        for (; i + 8 <= n; i += 8) store8(rr + i, _mm256_add_ps(load8(xr + i), load8(yr + i)));
+#endif
+        for (; i < n; ++i) rr[i] = from_f<scalar_t>(to_f(xr[i]) + to_f(yr[i]));
+      }
+    });
+  });
+  return {residual, rms_norm(residual, weight, eps, offset)};
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: the gate and up halves must be the same width");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = at::empty({rows, n}, gate_up.options());
+  TPSERVE_DISPATCH(gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = in + r * gate_up.stride(0);
+        const scalar_t* u = g + n;
+        int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        for (; i + 16 <= n; i += 16) {
+          const __m512 gf = load16(g + i);
+          const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gf)));
+          const __m512 act = round_vec(_mm512_div_ps(gf, denom), static_cast<scalar_t*>(nullptr));
+          store16(o + r * n + i, _mm512_mul_ps(act, load16(u + i)));
+        }
+#elif defined(TPSERVE_AVX2)
+        for (; i + 8 <= n; i += 8) {
+          const __m256 gf = load8(g + i);
+          const __m256 denom = _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gf)));
+          const __m256 act = round_vec8(_mm256_div_ps(gf, denom), static_cast<scalar_t*>(nullptr));
+          store8(o + r * n + i, _mm256_mul_ps(act, load8(u + i)));
+        }
+#endif
+        for (; i < n; ++i) {
+          const float gf = to_f(g[i]);
+          const float act = round_to<scalar_t>(gf / (1.f + std::exp(-gf)));
+          o[r * n + i] = from_f<scalar_t>(act * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// One head row [D] rotated in place; cos/sin rows [D] in the model dtype (as HF builds them).
+template <typename T>
+inline void rotate_row(T* x, const T* c, const T* s, int64_t half) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  T* const tag = nullptr;
+  for (; i + 16 <= half; i += 16) {
+    const __m512 x1 = load16(x + i), x2 = load16(x + i + half);
+    const __m512 lo = _mm512_add_ps(round_vec(_mm512_mul_ps(x1, load16(c + i)), tag),
+                                    round_vec(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16(s + i)), tag));
+    const __m512 hi = _mm512_add_ps(round_vec(_mm512_mul_ps(x2, load16(c + i + half)), tag),
+                                    round_vec(_mm512_mul_ps(x1, load16(s + i + half)), tag));
+    store16(x + i, lo);
+    store16(x + i + half, hi);
+  }
+#elif defined(TPSERVE_AVX2)
+  T* const tag = nullptr;
+  for (; i + 8 <= half; i += 8) {
+    const __m256 x1 = load8(x + i), x2 = load8(x + i + half);
+    const __m256 lo = _mm256_add_ps(round_vec8(_mm256_mul_ps(x1, load8(c + i)), tag),
+                                    round_vec8(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), load8(s + i)), tag));
+    const __m256 hi = _mm256_add_ps(round_vec8(_mm256_mul_ps(x2, load8(c + i + half)), tag),
+                                    round_vec8(_mm256_mul_ps(x1, load8(s + i + half)), tag));
+    store8(x + i, lo);
+    store8(x + i + half, hi);
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+    // q * cos + rotate_half(q) * sin, each product and the sum rounded as HF's eager ops round them.
+    const float lo = round_to<T>(x1 * to_f(c[i])) + round_to<T>(-x2 * to_f(s[i]));
+    const float hi = round_to<T>(x2 * to_f(c[i + half])) + round_to<T>(x1 * to_f(s[i + half]));
+    x[i] = from_f<T>(lo);
+    x[i + half] = from_f<T>(hi);
+  }
+}
+
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "q, k: [T, heads, D]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && positions.scalar_type() == at::kLong);
+  const int64_t tokens = q.size(0), d = q.size(2), half = d / 2;
+  TORCH_CHECK(positions.numel() == tokens && cos.size(1) == d && sin.sizes() == cos.sizes(), "rotary_: shapes");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position beyond the rotary table");
+  TPSERVE_DISPATCH(q.scalar_type(), "rotary_", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* c = cp + pos[t] * d;
+        const scalar_t* s = sp + pos[t] * d;
+        for (int64_t h = 0; h < q.size(1); ++h) rotate_row(qp + t * q.stride(0) + h * q.stride(1), c, s, half);
+        for (int64_t h = 0; h < k.size(1); ++h) rotate_row(kp + t * k.stride(0) + h * k.stride(1), c, s, half);
+      }
+    });
+  });
+}
+
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                       const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0));
+  const CacheStrides cs = cache_strides(k_cache, v_cache);
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "k, v: [T, KVH, D] of the cache's heads");
+  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == v.scalar_type());
+  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2), block_size = k_cache.size(1);
+  const int64_t num_slots = k_cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const size_t bytes = d * k.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t es = k.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
+    const int64_t base = (slots[t] / block_size) * cs.block + (slots[t] % block_size) * cs.token;
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(kc + (base + h * cs.head) * es, kp + (t * k.stride(0) + h * k.stride(1)) * es, bytes);
+      std::memcpy(vc + (base + h * cs.head) * es, vp + (t * v.stride(0) + h * v.stride(1)) * es, bytes);
+    }
+  }
+}
+
+// One (request, KV head): its G query heads against context [start, len) read through the block
+// table (rows: context_rows). Scores are kept for the whole context (two passes: exact softmax,
+// then the weighted V sum).
+template <typename T>
+void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+                int64_t start, int64_t group, int64_t d, float scale, float soft_cap, std::vector<float>& scores,
+                std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& row) {
+  const int64_t n = len - start;
+  scores.resize(group * n);
+  for (int64_t g = 0; g < group; ++g) load_row(q + g * d, qf.data() + g * d, d);
+  for (int64_t t = start; t < len; ++t) {
+    load_row(k_cache + rows[t - start], row.data(), d);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf.data() + g * d;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < d; ++i) dot += qg[i] * row[i];
+      float s = dot * scale;
+      if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
+      scores[g * n + (t - start)] = s;
+    }
+  }
+  std::fill(acc.begin(), acc.begin() + group * d, 0.f);
+  std::vector<float> sums(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * n;
+    const float mx = *std::max_element(sg, sg + n);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = std::exp(sg[i] - mx);
+      sum += sg[i];
+    }
+    sums[g] = sum;
+  }
+  for (int64_t t = start; t < len; ++t) {
+    load_row(v_cache + rows[t - start], row.data(), d);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * n + (t - start)];
+      float* ag = acc.data() + g * d;
+      for (int64_t i = 0; i < d; ++i) ag[i] += p * row[i];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / sums[g];
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = from_f<T>(acc[g * d + i] * inv);
+  }
+}
+
+
+#if defined(__AVX512F__) || defined(TPSERVE_AVX2)
+// How many tokens ahead the decode attention prefetches K/V rows (a block's rows are contiguous,
+// the next block may be anywhere: the hardware prefetcher cannot guess it). Measured with 30
+// layers of cold caches, 64 x 300-token contexts, bf16: none 1.63, 8 ahead 1.24, 16 1.07,
+// 32 0.98, 64 1.04 ms per layer (15.0 GB/s at 32; a plain sum reads ~16.5 GB/s here).
+constexpr int64_t kPrefetchAhead = 32;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+// Most query heads per KV head the register-blocked path takes (more: the portable path).
+constexpr int64_t kMaxGroup = 8;
+#endif
+
+#if defined(__AVX512F__)
+
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+// The totals of four vectors as the four lanes of one __m128: three shuffle-adds for four dot
+// products instead of a full horizontal reduction each.
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// bf16 query . key scores with AVX512-BF16 dot products (pairs of bf16 products summed in fp32,
+// as exact as converting both to fp32 first), four tokens per reduction. NP = head_dim / 32.
+template <int NP>
+void qk_scores_bf16(float* scores, int64_t padded, const c10::BFloat16* q, const c10::BFloat16* k_cache,
+                    const int64_t* rows, int64_t start, int64_t len, int64_t group, float scale) {
+  constexpr int64_t d = 32 * NP;
+  __m512bh qv[kMaxGroup][NP];
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < NP; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(q + g * d + 32 * j);
+  const __m128 sc = _mm_set1_ps(scale);
+  auto key_row = [&](int64_t t) { return k_cache + rows[t - start]; };
+  int64_t t = start;
+  for (; t + 4 <= len; t += 4) {
+    // Rows of the blocks ahead are scattered: ask for them before they are needed.
+    for (int64_t i = t + kPrefetchAhead; i < std::min(t + kPrefetchAhead + 4, len); ++i) prefetch_row(key_row(i), d);
+    __m512bh kv[4][NP];
+    for (int i = 0; i < 4; ++i) {
+      const c10::BFloat16* kr = key_row(t + i);
+      for (int j = 0; j < NP; ++j) kv[i][j] = (__m512bh)_mm512_loadu_si512(kr + 32 * j);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc[4];
+      for (int i = 0; i < 4; ++i) {
+        acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[i][0]);
+        for (int j = 1; j < NP; ++j) acc[i] = _mm512_dpbf16_ps(acc[i], qv[g][j], kv[i][j]);
+      }
+      _mm_storeu_ps(scores + g * padded + (t - start), _mm_mul_ps(reduce4(acc[0], acc[1], acc[2], acc[3]), sc));
+    }
+  }
+  for (; t < len; ++t) {
+    const c10::BFloat16* kr = key_row(t);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int j = 0; j < NP; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+      scores[g * padded + (t - start)] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+#endif
+
+// decode_one for head_dim = 16 * NV: each K row is read once for all G query heads (G dot
+// products on registers), each V row once into G accumulators held in registers.
+template <typename T, int NV>
+void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+                       int64_t start, int64_t group, float scale, float soft_cap, std::vector<float>& scores) {
+  constexpr int64_t d = 16 * NV;
+  const int64_t n = len - start;
+  const int64_t padded = (n + 15) / 16 * 16;
+  scores.resize(group * padded);
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
+    qk_scores_bf16<NV / 2>(scores.data(), padded, q, k_cache, rows, start, len, group, scale);
+  } else
+#endif
+  {
+    __m512 qv[kMaxGroup][NV];
+    for (int64_t g = 0; g < group; ++g)
+      for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_mul_ps(load16(q + g * d + 16 * j), _mm512_set1_ps(scale));
+    for (int64_t t = start; t < len; ++t) {
+      const T* kr = k_cache + rows[t - start];
+      __m512 kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = load16(kr + 16 * j);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
+        scores[g * padded + (t - start)] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+  float inv_sum[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * padded;
+    if (soft_cap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
+    for (int64_t i = n; i < padded; ++i) sg[i] = -INFINITY;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < padded; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + i));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + i), m));
+      _mm512_storeu_ps(sg + i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[kMaxGroup][NV];
+  for (int64_t g = 0; g < group; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t t = start; t < len; ++t) {
+    if (t + kPrefetchAhead < len) prefetch_row(v_cache + rows[t + kPrefetchAhead - start], d);
+    const T* vr = v_cache + rows[t - start];
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(vr + 16 * j);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * padded + (t - start)]);
+      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    alignas(64) float row[d];
+    for (int j = 0; j < NV; ++j) _mm512_store_ps(row + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv_sum[g])));
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = from_f<T>(row[i]);
+  }
+}
+#endif  // __AVX512F__
+
+#if defined(TPSERVE_AVX2) && !defined(__AVX512F__)
+// decode_one for head_dim = 8 * NV and G query heads per KV head, both compile-time so that the
+// accumulators are registers (AVX2 has 16 ymm). Shaped so that every FMA chain is short next to
+// the work around it (Zen 3's FMA takes 4 cycles and two issue per cycle: 8 chains in flight):
+// - Scores: 8 tokens per step, one head at a time: 8 accumulators (one per token, NV FMAs each),
+//   the head's query vector loaded once per 8 FMAs, the K rows re-read from L1 for each head;
+//   one 8-way reduction per head gives 8 scores.
+// - Weighted V sum: the head is walked in slices of SV vectors, all tokens per slice, with G x SV
+//   accumulators: SV = 4 for float32 and G <= 3 (12 accumulators), 2 for bf16 or G <= 6, else 1.
+//   The first slice reads the rows from memory and prefetches whole rows ahead; the rest find
+//   them in L2.
+// The form before (scores 4 tokens at a time with all G x NV query vectors live, 24 for SmolLM2,
+// which spilled; V slices of 2 vectors, whose 6 FMA chains waited on latency), alternated with
+// this one in one process over 30 cold layers of 64 x 450-token contexts on 2 threads: 76.2 ->
+// 68.5 ms (median of 12). Both stay well above the memory's time: reading and summing the same
+// rows takes 47 ms. The arithmetic (~23 ms) and the memory stalls add up rather than overlap, and
+// neither prefetching 16-256 tokens ahead nor prefetching the V rows during the scores changed that.
+template <typename T, int NV, int G>
+void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+                     int64_t start, float scale, float soft_cap, std::vector<float>& scores) {
+  static_assert(NV % 2 == 0, "head_dim must be a multiple of 16");
+  constexpr int64_t d = 8 * NV;
+  // bf16 rows need registers to widen: 2-vector slices for them (6 accumulators at most).
+  constexpr int SV = std::is_same_v<T, float> && G <= 3 ? 4 : (G <= 6 ? 2 : 1);
+  static_assert(NV % SV == 0, "slices must tile the head");
+  const int64_t n = len - start;
+  const int64_t padded = (n + 7) / 8 * 8;
+  scores.resize(G * padded);
+  auto row_at = [&](const T* cache, int64_t t) { return cache + rows[t - start]; };
+  alignas(32) float qs[G * d];
+  for (int64_t i = 0; i < G * d; i += 8) _mm256_store_ps(qs + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(scale)));
+  int64_t t = start;
+  for (; t + 8 <= len; t += 8) {
+    for (int64_t i = t + kPrefetchAhead; i < std::min(t + kPrefetchAhead + 8, len); ++i) prefetch_row(row_at(k_cache, i), d);
+    const T* kr[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) kr[i] = row_at(k_cache, t + i);
+    for (int g = 0; g < G; ++g) {
+      const float* qg = qs + g * d;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) {
+        const __m256 qj = _mm256_load_ps(qg + 8 * j);
+        a0 = _mm256_fmadd_ps(qj, load8(kr[0] + 8 * j), a0);
+        a1 = _mm256_fmadd_ps(qj, load8(kr[1] + 8 * j), a1);
+        a2 = _mm256_fmadd_ps(qj, load8(kr[2] + 8 * j), a2);
+        a3 = _mm256_fmadd_ps(qj, load8(kr[3] + 8 * j), a3);
+        a4 = _mm256_fmadd_ps(qj, load8(kr[4] + 8 * j), a4);
+        a5 = _mm256_fmadd_ps(qj, load8(kr[5] + 8 * j), a5);
+        a6 = _mm256_fmadd_ps(qj, load8(kr[6] + 8 * j), a6);
+        a7 = _mm256_fmadd_ps(qj, load8(kr[7] + 8 * j), a7);
+      }
+      _mm256_storeu_ps(scores.data() + g * padded + (t - start), reduce8_256(a0, a1, a2, a3, a4, a5, a6, a7));
+    }
+  }
+  for (; t < len; ++t) {
+    const T* kr = row_at(k_cache, t);
+    for (int g = 0; g < G; ++g) {
+      __m256 a = _mm256_mul_ps(_mm256_load_ps(qs + g * d), load8(kr));
+      for (int j = 1; j < NV; ++j) a = _mm256_fmadd_ps(_mm256_load_ps(qs + g * d + 8 * j), load8(kr + 8 * j), a);
+      scores[g * padded + (t - start)] = hsum8(a);
+    }
+  }
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * padded;
+    if (soft_cap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
+    for (int64_t i = n; i < padded; ++i) sg[i] = -INFINITY;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < padded; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + i));
+    const __m256 m = _mm256_set1_ps(hmax8(mx));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
+      _mm256_storeu_ps(sg + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.f / hsum8(sum);
+  }
+  for (int c = 0; c < NV; c += SV) {
+    __m256 acc[G][SV];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+      for (int x = 0; x < SV; ++x) acc[g][x] = _mm256_setzero_ps();
+    for (int64_t t = start; t < len; ++t) {
+      if (c == 0 && t + kPrefetchAhead < len) prefetch_row(row_at(v_cache, t + kPrefetchAhead), d);
+      const T* vr = row_at(v_cache, t) + 8 * c;
+      if constexpr (std::is_same_v<T, float> && G * SV + 1 + SV > 16) {
+        // G x SV accumulators + SV value vectors + the broadcast would not fit: the FMAs take the
+        // value rows as memory operands (L1 hits after the first head). Left to itself, GCC
+        // loads them into registers and spills an accumulator, whose chain then runs through a
+        // store and a reload every token.
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          const __m256 p = _mm256_broadcast_ss(scores.data() + g * padded + (t - start));
+#pragma GCC unroll 4
+          for (int x = 0; x < SV; ++x) acc[g][x] = fmadd_mem(acc[g][x], p, vr + 8 * x);
+        }
+      } else {
+        __m256 v[SV];
+#pragma GCC unroll 4
+        for (int x = 0; x < SV; ++x) v[x] = load8(vr + 8 * x);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          const __m256 p = _mm256_broadcast_ss(scores.data() + g * padded + (t - start));
+#pragma GCC unroll 4
+          for (int x = 0; x < SV; ++x) acc[g][x] = _mm256_fmadd_ps(p, v[x], acc[g][x]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m256 inv = _mm256_set1_ps(inv_sum[g]);
+#pragma GCC unroll 4
+      for (int x = 0; x < SV; ++x) store8(out + g * d + 8 * (c + x), _mm256_mul_ps(acc[g][x], inv));
+    }
+  }
+}
+
+// The G (query heads per KV head) and head_dim decode_one_avx2 is built for; false: not one.
+template <typename T>
+bool decode_one_avx2_dispatch(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows,
+                              int64_t len, int64_t start, int64_t group, int64_t d, float scale, float soft_cap,
+                              std::vector<float>& scores) {
+#define TPSERVE_DECODE_AVX2(NV, G)                                                                       \
+  case G:                                                                                              \
+    decode_one_avx2<T, NV, G>(out, q, k_cache, v_cache, rows, len, start, scale, soft_cap, scores);   \
+    return true;
+#define TPSERVE_DECODE_AVX2_GROUPS(NV) \
+  switch (group) {                     \
+    TPSERVE_DECODE_AVX2(NV, 1)         \
+    TPSERVE_DECODE_AVX2(NV, 2)         \
+    TPSERVE_DECODE_AVX2(NV, 3)         \
+    TPSERVE_DECODE_AVX2(NV, 4)         \
+    TPSERVE_DECODE_AVX2(NV, 5)         \
+    TPSERVE_DECODE_AVX2(NV, 6)         \
+    TPSERVE_DECODE_AVX2(NV, 7)         \
+    TPSERVE_DECODE_AVX2(NV, 8)         \
+    default:                           \
+      return false;                    \
+  }
+  if (d == 64) TPSERVE_DECODE_AVX2_GROUPS(8)
+  if (d == 128) TPSERVE_DECODE_AVX2_GROUPS(16)
+#undef TPSERVE_DECODE_AVX2_GROUPS
+#undef TPSERVE_DECODE_AVX2
+  return false;
+}
+#endif  // TPSERVE_AVX2 && !__AVX512F__
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                            int64_t sliding_window, double soft_cap) {
+  // out, q: [N, H, D]; caches: [num_blocks, block_size, KVH, D] (any strides, rows contiguous);
+  // block_tables [N, W]; context_lens [N].
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [N, H, D] with contiguous heads");
+  TORCH_CHECK(out.dim() == 3 && out.is_contiguous() && out.sizes() == q.sizes());
+  TORCH_CHECK(block_tables.is_contiguous());
+  const CacheStrides cs = cache_strides(k_cache, v_cache);
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous());
+  const int64_t num_reqs = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = block_tables.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == d);
+  const int64_t group = heads / kv_heads;
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0);
+  AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_decode_attention_check", [&] {
+    // Every block a context reads must exist: a bad table would read outside the cache.
+    const index_t* tables = block_tables.data_ptr<index_t>();
+    for (int64_t b = 0; b < num_reqs; ++b) {
+      const int64_t used = (lens[b] + block_size - 1) / block_size;
+      TORCH_CHECK(lens[b] >= 1 && used <= width, "context longer than its block table");
+      for (int64_t i = 0; i < used; ++i)
+        TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < num_blocks, "block id out of range");
+    }
+  });
+  TPSERVE_DISPATCH(q.scalar_type(), "paged_decode_attention", [&] {
+    AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_decode_attention_index", [&] {
+      const scalar_t* qp = q.data_ptr<scalar_t>();
+      scalar_t* op = out.data_ptr<scalar_t>();
+      const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+      const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+      const index_t* tables = block_tables.data_ptr<index_t>();
+      at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, qf(group * d), acc(group * d), row(d);
+        std::vector<int64_t> rows;
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t b = item / kv_heads, h = item % kv_heads;
+          const int64_t len = lens[b];
+          const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+          scalar_t* o = op + (b * heads + h * group) * d;
+          const scalar_t* qb = qp + b * q.stride(0) + h * group * d;
+          context_rows(rows, tables + b * width, start, len, block_size, cs, h);
+          const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+#if defined(__AVX512F__)
+          if (group <= kMaxGroup && (d == 64 || d == 128 || d == 256)) {
+            if (d == 64)
+              decode_one_avx512<scalar_t, 4>(o, qb, kc, vc, rows.data(), len, start, group, sc, cap, scores);
+            else if (d == 128)
+              decode_one_avx512<scalar_t, 8>(o, qb, kc, vc, rows.data(), len, start, group, sc, cap, scores);
+            else
+              decode_one_avx512<scalar_t, 16>(o, qb, kc, vc, rows.data(), len, start, group, sc, cap, scores);
+            continue;
+          }
+#elif defined(TPSERVE_AVX2)
+          if (decode_one_avx2_dispatch<scalar_t>(o, qb, kc, vc, rows.data(), len, start, group, d, sc, cap, scores))
+            continue;
+#endif
+          decode_one<scalar_t>(o, qb, kc, vc, rows.data(), len, start, group, d, sc, cap, scores, qf, acc, row);
+        }
+      });
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tpserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor", &rms_norm);
+  m.def("add_rms_norm(Tensor x, Tensor y, Tensor weight, float eps, float offset) -> (Tensor, Tensor)", &add_rms_norm);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()", &rotary_);
+  m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+        &reshape_and_cache);
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int sliding_window, float soft_cap) -> ()",
+        &paged_decode_attention);
+}

@@ -1,0 +1,274 @@
+// layer_stack: every decoder layer of a Llama-style model, one C++ call per step (CPU, one rank).
+//
+// Why: the Python layer loop dispatches ~12 ops and ~6 module calls per layer. On a 2-core AMD
+// EPYC (Zen 1) a batch-1 decode step of the default model took 45-49 ms of which the ops were
+// ~34 ms: ~28% of the step thread's samples (perf) were the interpreter and torch's Python
+// bindings between ops, while torch's second OpenMP thread spun at its barrier. This is the CPU's
+// counterpart of replaying a CUDA graph: the same ops, in the same order, on the same tensors,
+// called through the dispatcher from C++ (results are bit-identical to the Python path: the
+// tests compare them), so only the interpreter's share of the step goes away.
+//
+// What it runs per layer (workers/model/layers.py's forward_fused_residual, DecoderAttention,
+// GatedMLP with SiLU, and attention.paged_attention's kernel path):
+//   residual, h = add_rms_norm(residual, x)        (layer 0: residual = x, h = rms_norm(x))
+//   q, k, v     = split(linear(h, qkv))            rotary_(q, k); reshape_and_cache(k, v)
+//   out         = paged_decode_attention(decodes) + paged_prefill_attention(prefill chunks)
+//                 (or, with prefill_sdpa, SDPA per chunk as the Python loop runs it)
+//   residual, h = add_rms_norm(residual, linear(out, o))
+//   x           = linear(silu_and_mul(linear(h, gate_up)), down)
+// and returns (x, residual) of the last layer; the model's final norm adds them.
+// A linear takes its small-batch kernel up to small_batch_rows rows (amx_linear on an AMX tile
+// copy, panel_linear on a float32 panel copy, skinny_linear on the plain bf16 weight), oneDNN's
+// prepacked GEMM (mkldnn::_linear_pointwise) above when a packed weight is given, else
+// at::linear: workers/cpu/linear.py's linear(), decided the same way.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string_view>
+
+namespace {
+
+// Tensors per projection, in this order: the plain weight, oneDNN's packed one, the small-batch
+// kernel's (cpu_linear.py's small_batch_weight), the bias; any but one of the first three may be
+// None (a small-batch kernel that takes every batch leaves no packed one).
+enum LinearSlot : int64_t { kWeight, kPacked, kSmall, kBias, kSlotsPerLinear };
+
+// Tensors per layer in the flat weight list, in this order (workers/model/cpu_layer_stack.py builds it):
+// the input norm, the QKV projection's four, the O projection's, the post-attention norm, then the
+// gate-up and down projections'.
+enum LayerSlot : int64_t {
+  kInputNorm = 0,
+  kQkv = 1,
+  kO = kQkv + kSlotsPerLinear,
+  kPostNorm = kO + kSlotsPerLinear,
+  kGateUp = kPostNorm + 1,
+  kDown = kGateUp + kSlotsPerLinear,
+  kSlotsPerLayer = kDown + kSlotsPerLinear,
+};
+
+using OptTensor = std::optional<at::Tensor>;
+
+// The ops this file composes, looked up once (typed: the dispatcher checks each signature).
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)> rms_norm;
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              double, double)>
+      add_rms_norm;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
+  c10::TypedOperatorHandle<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
+      rotary;
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&)>
+      reshape_and_cache;
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, int64_t, double)>
+      decode_attention;
+  c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, int64_t, double)>
+      prefill_attention;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> skinny_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> panel_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)> amx_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view,
+                                      c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>
+      packed_linear;
+
+  static const Ops& get() {
+    static const Ops ops = [] {
+      auto find = [](const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); };
+      return Ops{
+          find("tpserve_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, double)>(),
+          find("tpserve_cpu::add_rms_norm")
+              .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        double, double)>(),
+          find("tpserve_cpu::silu_and_mul").typed<at::Tensor(const at::Tensor&)>(),
+          find("tpserve_cpu::rotary_")
+              .typed<void(at::Tensor, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(),
+          find("tpserve_cpu::reshape_and_cache")
+              .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&)>(),
+          find("tpserve_cpu::paged_decode_attention")
+              .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, double, int64_t, double)>(),
+          find("tpserve_cpu::paged_prefill_attention")
+              .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, double, int64_t, double)>(),
+          find("tpserve_cpu::skinny_linear")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
+          find("tpserve_cpu::panel_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
+          find("tpserve_cpu::amx_linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(),
+          find("mkldnn::_linear_pointwise")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, std::string_view,
+                                c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>)>(),
+      };
+    }();
+    return ops;
+  }
+};
+
+// workers/cpu/linear.py's linear(): the small-batch kernel up to small_rows rows (amx_linear on
+// a 4-D AMX tile copy, panel_linear on a 3-D panel copy, skinny_linear on a plain weight; a limit
+// of 0: never), the packed GEMM when there is a packed weight, at::linear on the plain weight
+// otherwise. `w` yields the projection's slots.
+template <typename Slot>
+at::Tensor project(const Ops& ops, const at::Tensor& x, Slot&& w, int64_t small_rows) {
+  const OptTensor packed = w(kPacked), small = w(kSmall), bias = w(kBias);
+  if (small.has_value() && x.size(0) <= small_rows) {
+    if (small->dim() == 4) return ops.amx_linear.call(x, *small, bias);
+    if (small->dim() == 3) return ops.panel_linear.call(x, *small, bias);
+    return ops.skinny_linear.call(x, *small, bias);
+  }
+  if (packed.has_value()) return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  const OptTensor weight = w(kWeight);
+  TORCH_CHECK(weight.has_value(), "layer_stack: a projection has neither a plain nor a packed weight");
+  return at::linear(x, *weight, bias);
+}
+
+// Query and key rows of a bf16/fp16 SDPA call are padded to a multiple of this, for the reason
+// and with the numbers attention.py's SDPA_ROW_ALIGN gives; the padding is built the same way
+// there, so both paths keep calling SDPA on identical tensors.
+constexpr int64_t kSdpaRowAlign = 32;
+
+int64_t sdpa_rows(int64_t rows, bool pad) {
+  return pad ? (rows + kSdpaRowAlign - 1) / kSdpaRowAlign * kSdpaRowAlign : rows;
+}
+
+// [n, heads, D] rows -> [1, heads, rows, D], zero rows appended (attention.py's _sdpa_layout).
+at::Tensor sdpa_layout(const at::Tensor& x, int64_t rows) {
+  const at::Tensor padded = rows == x.size(0) ? x : at::constant_pad_nd(x, {0, 0, 0, 0, 0, rows - x.size(0)});
+  return padded.transpose(0, 1).unsqueeze(0);
+}
+
+// attention.paged_attention's SDPA loop over a step's prefill chunks, op for op (the path for
+// dtypes the prefill kernel does not serve: in bf16 torch's flash attention runs on AMX tiles
+// where this library's kernel computes in float32). A chunk at position 0 with no window inside
+// it attends to its own K/V, causal; any other gathers its context through its block table and
+// masks it (causal from its offset, and the window). Padded keys come after the context and
+// padded queries after the chunk (in the masked form each takes the last real query's position),
+// so no real query sees a padded key: its result is the unpadded call's up to rounding.
+void sdpa_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                  const at::Tensor& chunk_info, double scale, int64_t window) {
+  const auto info = chunk_info.accessor<int32_t, 2>();
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const bool gqa = q.size(1) != k.size(1);
+  const bool pad = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+  for (int64_t c = 0; c < chunk_info.size(0); ++c) {
+    const int64_t s = info[c][0], n = info[c][1], context = info[c][2];
+    const int64_t rows = sdpa_rows(n, pad);
+    const at::Tensor qp = sdpa_layout(q.narrow(0, s, n), rows);
+    const bool windowed = window > 0 && window < context;
+    at::Tensor op;
+    if (context == n && !windowed) {
+      op = at::scaled_dot_product_attention(qp, sdpa_layout(k.narrow(0, s, n), rows),
+                                            sdpa_layout(v.narrow(0, s, n), rows), std::nullopt, 0.0,
+                                            /*is_causal=*/true, scale, gqa);
+    } else {
+      const int64_t blocks = (context + block_size - 1) / block_size;
+      const int64_t keys_len = sdpa_rows(context, pad);
+      const at::Tensor table = block_tables[c].narrow(0, 0, blocks).to(at::kLong);
+      auto gather = [&](const at::Tensor& cache) {
+        const at::Tensor context_rows =
+            cache.index_select(0, table).reshape({blocks * block_size, kv_heads, head_dim}).narrow(0, 0, context);
+        return sdpa_layout(context_rows, keys_len);
+      };
+      const auto idx = at::TensorOptions().dtype(at::kLong);
+      const at::Tensor keys = at::arange(keys_len, idx).unsqueeze(0);
+      // A padded query row takes the last real row's position: its mask is never empty.
+      const at::Tensor p = at::arange(context - n, context - n + rows, idx).clamp_max(context - 1).unsqueeze(1);
+      at::Tensor mask = keys <= p;
+      if (windowed) mask = mask & (keys > p - window);
+      op = at::scaled_dot_product_attention(qp, gather(k_cache), gather(v_cache), mask, 0.0, /*is_causal=*/false,
+                                            scale, gqa);
+    }
+    out.narrow(0, s, n).copy_(op[0].narrow(1, 0, n).transpose(0, 1));
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> layer_stack(
+    const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const std::optional<at::Tensor>& decode_block_tables, const std::optional<at::Tensor>& decode_context_lens,
+    const std::optional<at::Tensor>& prefill_block_tables, const std::optional<at::Tensor>& prefill_chunks,
+    c10::List<std::optional<at::Tensor>> weights, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& cos, const at::Tensor& sin, c10::IntArrayRef sliding_windows, int64_t num_decodes,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double norm_offset, double scale,
+    double soft_cap, int64_t small_batch_rows, bool prefill_sdpa) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(sliding_windows.size()) == layers &&
+                  static_cast<int64_t>(weights.size()) == layers * kSlotsPerLayer,
+              "layer_stack: ", layers, " layers need as many caches and windows and ", kSlotsPerLayer,
+              " weight slots each");
+  TORCH_CHECK(x_in.dim() == 2 && positions.numel() == x_in.size(0), "layer_stack: x [T, hidden], positions [T]");
+  const int64_t tokens = x_in.size(0);
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "layer_stack: more decodes than tokens");
+  TORCH_CHECK(num_decodes == 0 || (decode_block_tables.has_value() && decode_context_lens.has_value()),
+              "layer_stack: decodes need their block tables and context lengths");
+  const bool chunks = num_decodes < tokens;
+  TORCH_CHECK(!chunks || (prefill_block_tables.has_value() && prefill_chunks.has_value()),
+              "layer_stack: prefill tokens need the prefill kernel's chunk table");
+  TORCH_CHECK(!(chunks && prefill_sdpa && soft_cap != 0.0),
+              "layer_stack: a soft cap needs the eager attention the Python loop runs (SDPA has no hook for it)");
+  const Ops& ops = Ops::get();
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  auto slot = [&](int64_t layer, int64_t s) -> OptTensor { return weights.get(layer * kSlotsPerLayer + s); };
+  // The slots of the projection whose first slot is `first`, one LinearSlot at a time.
+  auto linear = [&](int64_t layer, LayerSlot first) {
+    return [&slot, layer, first](LinearSlot s) { return slot(layer, first + s); };
+  };
+  auto need = [&](int64_t layer, LayerSlot s) -> at::Tensor {
+    OptTensor t = slot(layer, s);
+    TORCH_CHECK(t.has_value(), "layer_stack: layer ", layer, " lacks weight slot ", static_cast<int64_t>(s));
+    return *t;
+  };
+
+  at::Tensor x = x_in, residual, h;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    if (layer == 0) {
+      residual = x;
+      h = ops.rms_norm.call(x, need(layer, kInputNorm), eps, norm_offset);
+    } else {
+      std::tie(residual, h) = ops.add_rms_norm.call(residual, x, need(layer, kInputNorm), eps, norm_offset);
+    }
+    const at::Tensor qkv = project(ops, h, linear(layer, kQkv), small_batch_rows);
+    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer_stack: the QKV projection's width does not fit the heads");
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    ops.rotary.call(q, k, positions, cos, sin);
+    const at::Tensor& k_cache = k_caches[layer];
+    const at::Tensor& v_cache = v_caches[layer];
+    ops.reshape_and_cache.call(k, v, k_cache, v_cache, slot_mapping);
+    at::Tensor out = at::empty({tokens, num_heads, head_dim}, q.options());
+    if (num_decodes > 0)
+      ops.decode_attention.call(out.narrow(0, 0, num_decodes), q.narrow(0, 0, num_decodes), k_cache, v_cache,
+                                *decode_block_tables, *decode_context_lens, scale, sliding_windows[layer], soft_cap);
+    if (chunks && prefill_sdpa)
+      sdpa_prefill(out, q, k, v, k_cache, v_cache, *prefill_block_tables, *prefill_chunks, scale,
+                   sliding_windows[layer]);
+    else if (chunks)
+      ops.prefill_attention.call(out, q, k_cache, v_cache, *prefill_block_tables, *prefill_chunks, scale,
+                                 sliding_windows[layer], soft_cap);
+    const at::Tensor attn = project(ops, out.view({tokens, q_size}), linear(layer, kO), small_batch_rows);
+    std::tie(residual, h) = ops.add_rms_norm.call(residual, attn, need(layer, kPostNorm), eps, norm_offset);
+    const at::Tensor gate_up = project(ops, h, linear(layer, kGateUp), small_batch_rows);
+    x = project(ops, ops.silu_and_mul.call(gate_up), linear(layer, kDown), small_batch_rows);
+  }
+  return {x, residual};
+}
+
+int64_t layer_stack_slots_per_layer() { return kSlotsPerLayer; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.def(
+      "layer_stack(Tensor x, Tensor positions, Tensor slot_mapping, Tensor? decode_block_tables, "
+      "Tensor? decode_context_lens, Tensor? prefill_block_tables, Tensor? prefill_chunks, Tensor?[] weights, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, int[] sliding_windows, int num_decodes, "
+      "int num_heads, int num_kv_heads, int head_dim, float eps, float norm_offset, float scale, float soft_cap, "
+      "int small_batch_rows, bool prefill_sdpa) -> (Tensor, Tensor)",
+      &layer_stack);
+  m.def("layer_stack_slots_per_layer() -> int", &layer_stack_slots_per_layer);
+}

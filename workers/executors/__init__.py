@@ -1,0 +1,1 @@
+"""The executors the engine drives: one rank in process, or one Ray actor per TP rank."""

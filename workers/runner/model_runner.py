@@ -1,0 +1,239 @@
+"""One rank's model execution: SchedulerOutput -> flat input batch -> forward -> sampling.
+
+Tokens are laid out decodes first (one token each), then prefill chunks, which lets attention
+batch all decodes in one call. Only rank 0 samples and returns tokens.
+
+On GPU a decode-only step goes to the graph runner (static buffers, CUDA-graph replay when it
+can, the same graph-safe forward eagerly when it cannot), and so does a step with prefill tokens
+when a graph holds one row per token (workers/runner/cuda_graph.py, token rows); every other step, and
+every step on CPU, takes the flat-batch path below. Both lay tokens out alike.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.attention.paged import AttentionMetadata, PrefillChunk
+from workers.runner.cuda_graph import CudaGraphRunner, is_decode_only
+from workers.runner.decode_inputs import DecodeBatch, decode_mask, make_decode_batch, padded_block_tables, slot_of
+from workers.runner.input_batch import CachedRequestState, RequestStates
+from workers.model.decoder import DecoderForCausalLM
+from workers.runner.prompt_logprobs import compute_prompt_logprobs, mark_scored, plan_prompt_logprobs
+from workers.sampling.sampler import sample
+from workers.sampling.row import SamplingRow
+
+
+@dataclass
+class StepInputs:
+    # Flat token ids of the step.
+    input_ids: torch.Tensor
+    # Their positions in their sequences.
+    positions: torch.Tensor
+    # Attention addressing.
+    meta: AttentionMetadata
+    # (request id, index of its last token in the batch) for requests that sample this step.
+    samplers: list[tuple[str, int]]
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device, stop_ids: tuple[int, ...],
+                 graph_runner: CudaGraphRunner | None = None, cpu_kernels: bool = False,
+                 cpu_prefill_attention: bool = False) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        # EOS ids of the model; masked (with each request's stop_token_ids) under min_tokens.
+        self.stop_ids = stop_ids
+        self.requests = RequestStates()
+        self.is_first_rank = model.tp.is_first_rank
+        # Decode-only steps on GPU (None on CPU).
+        self.graph_runner = graph_runner
+        # The model runs tpserve's CPU kernels: decodes get context lengths, not a mask.
+        self.cpu_kernels = cpu_kernels
+        # Prefill chunks go through the CPU kernels' paged prefill attention (one call per layer
+        # for all chunks, the KV cache read in place) instead of a gather + SDPA per chunk.
+        self.cpu_prefill_attention = cpu_prefill_attention
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        start = time.perf_counter()
+        self.requests.update(out)
+        if out.is_empty:
+            return ModelRunnerOutput() if self.is_first_rank else None
+        if self.graph_runner is not None and (
+                is_decode_only(out.num_scheduled_tokens)
+                or self.graph_runner.can_replay_rows(out.total_num_scheduled_tokens, self._prefill_context_reads(out))):
+            hidden, samplers = self._run_rows(out)
+        else:
+            inputs = self.prepare_inputs(out)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            samplers = inputs.samplers
+        result = self._sample(hidden, samplers, out.allowed_token_bitmasks)
+        plan = plan_prompt_logprobs(out.num_scheduled_tokens, self.requests.states)
+        if plan is not None:
+            prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, plan)
+            mark_scored(plan, self.requests.states)
+            if result is not None and prompt_logprobs:
+                result.prompt_logprobs = prompt_logprobs
+        for req_id, num in out.num_scheduled_tokens.items():
+            self.requests.states[req_id].num_computed_tokens += num
+        if result is not None:
+            result.forward_time = time.perf_counter() - start
+        return result
+
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The flat batch of a step on the CPU path: decodes first (the shared decode layout),
+        then prefill chunks."""
+        states = self.requests.states
+        decodes, prefills = [], []
+        for req_id, num in out.num_scheduled_tokens.items():
+            if num == 1:
+                decodes.append(states[req_id])
+            else:
+                prefills.append((states[req_id], num))
+        bs = self.block_size
+        batch, samplers = self._decode_rows(decodes)
+        input_ids, positions, slots = list(batch.token_ids), list(batch.positions), list(batch.slots)
+
+        def add_tokens(state: CachedRequestState, num: int) -> None:
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start : start + num])
+            for pos in range(start, start + num):
+                positions.append(pos)
+                slots.append(slot_of(state.block_ids, pos, bs))
+            if start + num == len(state.token_ids):
+                samplers.append((state.req_id, len(input_ids) - 1))
+
+        decode_tables = decode_context_mask = decode_context_lens = None
+        if decodes:
+            width = batch.max_num_blocks
+            decode_tables = torch.tensor(padded_block_tables(batch.block_tables, width), device=self.device)
+            if self.cpu_kernels:
+                decode_context_lens = torch.tensor(batch.context_lens, dtype=torch.int32)
+            else:
+                decode_context_mask = decode_mask(torch.tensor(batch.context_lens, device=self.device), width * bs)
+
+        chunks: list[PrefillChunk] = []
+        for state, num in prefills:
+            query_start = len(input_ids)
+            add_tokens(state, num)
+            context_len = state.num_computed_tokens + num
+            mask = None
+            if state.num_computed_tokens > 0:
+                q_pos = torch.arange(state.num_computed_tokens, context_len, device=self.device)
+                mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
+            table = torch.tensor(state.block_ids[: -(-context_len // bs)], dtype=torch.long, device=self.device)
+            chunks.append(PrefillChunk(query_start, num, context_len, table, mask))
+        prefill_info = prefill_tables = None
+        # The chunk table goes with the CPU kernels in either case: the prefill kernel reads it,
+        # and the CPU layer stack runs a step only with it (SDPA per chunk from C++ otherwise).
+        if chunks and self.cpu_kernels:
+            prefill_info = torch.tensor([[c.query_start, c.query_len, c.context_len] for c in chunks],
+                                        dtype=torch.int32)
+            rows = [state.block_ids[: -(-c.context_len // bs)] for (state, _), c in zip(prefills, chunks)]
+            prefill_tables = torch.tensor(padded_block_tables(rows, max(len(r) for r in rows)), dtype=torch.int32)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decodes=len(decodes),
+            decode_block_tables=decode_tables,
+            decode_mask=decode_context_mask,
+            prefills=chunks,
+            decode_context_lens=decode_context_lens,
+            prefill_chunk_info=prefill_info,
+            prefill_block_tables=prefill_tables,
+            prefill_kernel=self.cpu_prefill_attention,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta=meta,
+            samplers=samplers,
+        )
+
+    def _prefill_context_reads(self, out: SchedulerOutput) -> int:
+        """Context tokens the step's prefill tokens read as token rows (one at position p reads p + 1)."""
+        reads = 0
+        for req_id, num in out.num_scheduled_tokens.items():
+            if num > 1:
+                start = self.requests.states[req_id].num_computed_tokens
+                reads += num * start + num * (num + 1) // 2
+        return reads
+
+    def _run_rows(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[str, int]]]:
+        """A step through the graph runner, one decode-style row per scheduled token, in
+        prepare_inputs' order (decodes, then each prefill chunk's tokens), so that hidden-state
+        rows mean the same on both paths (prompt logprobs index them)."""
+        states = self.requests.states
+        decodes = [states[req_id] for req_id, num in out.num_scheduled_tokens.items() if num == 1]
+        batch, samplers = self._decode_rows(decodes)
+        bs = self.block_size
+        for req_id, num in out.num_scheduled_tokens.items():
+            if num == 1:
+                continue
+            state = states[req_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num
+            blocks = state.block_ids
+            batch.token_ids.extend(state.token_ids[start:end])
+            batch.positions.extend(range(start, end))
+            batch.slots.extend(slot_of(blocks, pos, bs) for pos in range(start, end))
+            # Every row of the chunk shares one table, the chunk's: a row reads only the blocks of
+            # its context_len, and one list object lets fill() write it once for all the rows.
+            table = blocks[: -(-end // bs)]
+            batch.block_tables.extend([table] * num)
+            batch.context_lens.extend(range(start + 1, end + 1))
+            if end == len(state.token_ids):
+                samplers.append((req_id, batch.num_reqs - 1))
+        return self.graph_runner.run(batch), samplers
+
+    def _decode_rows(self, states: list[CachedRequestState]) -> tuple[DecodeBatch, list[tuple[str, int]]]:
+        """The decode layout of these requests, and (request id, row) of those that sample: a
+        one-token step that is not the last prompt token computes K/V only."""
+        batch = make_decode_batch([(s.token_ids, s.block_ids, s.num_computed_tokens) for s in states],
+                                  self.block_size)
+        samplers = [(s.req_id, i) for i, s in enumerate(states) if s.num_computed_tokens + 1 == len(s.token_ids)]
+        return batch, samplers
+
+    def _sample(self, hidden: torch.Tensor, samplers: list[tuple[str, int]],
+                bitmasks: dict[str, list[int]]) -> ModelRunnerOutput | None:
+        if not samplers:
+            # Every rank must still take part in the logits gather (collective).
+            self.model.compute_logits(hidden[:0])
+            return ModelRunnerOutput() if self.is_first_rank else None
+        row_index = [i for _, i in samplers]
+        if row_index == list(range(hidden.shape[0])):
+            selected = hidden  # every row samples (decode steps): no gather
+        else:
+            # non_blocking: no host sync before the tokens are read (one .tolist() in sample()).
+            selected = hidden[torch.tensor(row_index).to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(selected)
+        if logits is None:
+            return None
+        rows = []
+        for req_id, _ in samplers:
+            state = self.requests.states[req_id]
+            rows.append(SamplingRow(
+                params=state.params,
+                prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+                output_token_ids=state.output_token_ids,
+                stop_ids=self.stop_ids + state.params.stop_token_ids,
+                generator=state.generator,
+                allowed_token_bitmask=bitmasks.get(req_id),
+            ))
+        sampled = sample(logits.float(), rows, self.cpu_kernels)
+        result = ModelRunnerOutput()
+        for n, ((req_id, _), token_id, lp) in enumerate(zip(samplers, sampled.token_ids, sampled.logprobs)):
+            if token_id is None:
+                # Only this request fails (the engine ends it); its batch mates go on.
+                result.request_errors[req_id] = sampled.errors[n]
+                continue
+            result.sampled_token_ids[req_id] = [token_id]
+            if lp is not None:
+                result.logprobs[req_id] = [lp]
+        return result

@@ -1,0 +1,1 @@
+"""Logits to tokens: the batched sampler, its filters, penalties and per-request rows."""
