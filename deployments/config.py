@@ -147,6 +147,33 @@ class TpserveConfig(BaseModel):
     tokenizer_threads: int = Field(default=2, gt=0)
     # Seconds between the background worker health pings /health reads.
     health_check_interval_s: float = Field(default=2.0, gt=0)
+    # Most messages in one chat request (checked before the template renders them).
+    max_messages_per_request: int = Field(default=1024, gt=0)
+
+    # ---- structured output (response_format grammars, compiled by xgrammar) ----
+    # Seconds one grammar may take to compile; a slower schema is a 400 naming response_format.
+    grammar_compile_timeout_s: float = Field(default=10.0, gt=0)
+    # Bytes of compiled grammars kept for reuse (xgrammar's cache); least recently used go first.
+    grammar_cache_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    # Threads that compile grammars (their own pool, apart from the body-parsing threads).
+    grammar_compile_threads: int = Field(default=1, gt=0)
+
+    # ---- deadlines, backpressure and tenants ----
+    # Default seconds a request may take end to end before it is aborted (its KV freed); a
+    # request may ask for less with its own `request_timeout_s` field. None = no deadline.
+    request_timeout_s: float | None = Field(default=None, gt=0)
+    # Requests Ray Serve queues per replica beyond max_ongoing_requests before it refuses new
+    # ones (503); bounded so that excess load is refused instead of waiting without limit.
+    max_queued_requests: int = Field(default=64, ge=0)
+    # HTTP header whose value (an API key, a tenant id) salts the prefix cache of the request, so
+    # that requests of different tenants never share cached prefixes; None = one shared cache.
+    cache_salt_header: str | None = None
+
+    # ---- integrations (off by default) ----
+    # KV-cache events in vLLM's schema over ZMQ, for prefix-aware routers (None = off). Keys:
+    # endpoint (a ZMQ PUB address), topic, replay_endpoint (ZMQ ROUTER; None = no replay),
+    # buffer_steps (how many step batches replay can serve).
+    kv_events: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_budgets(self) -> "TpserveConfig":
