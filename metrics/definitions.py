@@ -31,7 +31,10 @@ MODEL_NAME_LABEL = "model_name"
 PREEMPTION_PHASES = ("prefill", "decode")
 # Values of `finished_reason` on tpserve_request_success_total (an error counts as an abort).
 FINISHED_REASONS = ("stop", "length", "abort")
-# Labels of the info gauge tpserve_cache_config_info, in METRICS.md order.
+# Labels of the info gauge tpserve_cache_config_info, in METRICS.md order, then `num_gpu_blocks`:
+# the Gateway API Inference Extension's endpoint picker reads the KV blocks from a label of that
+# name (hard-coded where it is configured by flags, EPP <= v1.3), so it repeats `num_blocks`
+# (docs/kubernetes.md "Endpoint picker").
 CACHE_CONFIG_LABELS = (
     "block_size",
     "num_blocks",
@@ -41,6 +44,7 @@ CACHE_CONFIG_LABELS = (
     "tensor_parallel_size",
     "enable_prefix_caching",
     "dtype",
+    "num_gpu_blocks",
 )
 
 

@@ -88,6 +88,9 @@ def cache_config_info(
 
     capacity_tokens = num_blocks x block_size; max_concurrency = capacity / max_model_len with
     two decimals; booleans are "true"/"false"; a torch dtype loses its "torch." prefix.
+    num_gpu_blocks repeats num_blocks under the label name the Gateway API Inference Extension's
+    endpoint picker reads (model-server protocol: blocks of the accelerator's KV cache, here the
+    blocks usable by requests on whatever device the cache lives).
     """
     capacity_tokens = num_blocks * block_size
     return {
@@ -99,4 +102,5 @@ def cache_config_info(
         "tensor_parallel_size": str(tensor_parallel_size),
         "enable_prefix_caching": "true" if enable_prefix_caching else "false",
         "dtype": str(dtype).removeprefix("torch."),
+        "num_gpu_blocks": str(num_blocks),
     }

@@ -1,10 +1,13 @@
 """Offline validation helpers for the manifests in k8s/ (used by tests/test_k8s_*.py).
 
 - CRD schemas: the `openAPIV3Schema` of one version of an upstream CustomResourceDefinition
-  (`../shared/k8s-schemas/`), tightened so that a misspelled field is an error, checked with
-  `jsonschema`. The API server prunes unknown fields of a structural schema silently; here they
-  fail.
+  (`../shared/k8s-schemas/`: KubeRay, Prometheus operator, the Gateway API Inference Extension's
+  InferencePool), tightened so that a misspelled field is an error, checked with `jsonschema`.
+  The API server prunes unknown fields of a structural schema silently; here they fail. The CEL
+  rules on the fields used are evaluated by Python equivalents (`CEL_EQUIVALENTS`).
 - Core kinds and object metadata: `kubernetes_validate` (strict) against its bundled schemas.
+- NetworkPolicy: ingress rules evaluated for a pod and a peer, with the labels KubeRay gives Ray
+  pods (`kuberay_pod_labels`).
 - PromQL: a small recursive-descent parser of the PromQL subset a dashboard uses; it rejects
   unbalanced brackets, unknown functions, unknown label names and metrics outside a given set.
 """
@@ -35,6 +38,8 @@ CRD_FILES = {
     ("ray.io/v1", "RayCluster"): "ray.io_rayclusters.yaml",
     ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring.coreos.com_podmonitors.yaml",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml",
+    # Gateway API Inference Extension (k8s/inference-pool.yaml).
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
 }
 # Kubernetes version the core kinds are checked against (bundled with kubernetes-validate, offline).
 K8S_VERSION = "1.33.0"
@@ -158,17 +163,52 @@ def cel_rules(doc: Any, schema: dict[str, Any], path: str = "") -> list[tuple[st
 
     jsonschema can't evaluate CEL; tests list the rules that apply so that none goes unnoticed.
     """
-    found = [(path or "/", rule["rule"]) for rule in schema.get("x-kubernetes-validations", [])]
+    return [(where, rule) for where, rule, _ in _cel_nodes(doc, schema, path)]
+
+
+def _kind_defaults_to_service(node: dict[str, Any]) -> bool:
+    # endpointPickerRef: `kind` defaults to "Service", and a Service reference needs a port.
+    return node.get("kind", "Service") != "Service" or "port" in node
+
+
+# The CEL rules on fields the manifests use, written out in Python (jsonschema can't run CEL);
+# node -> whether the rule holds. "self == oldSelf" (immutability) always holds on create.
+CEL_EQUIVALENTS = {
+    "self == oldSelf": lambda node: True,
+    # InferencePool spec.targetPorts: port numbers are unique.
+    "self.all(p1, self.exists_one(p2, p1.number==p2.number))": (
+        lambda node: all(sum(p2.get("number") == p1.get("number") for p2 in node) == 1 for p1 in node)
+    ),
+    # InferencePool spec.endpointPickerRef.
+    "self.kind != 'Service' || has(self.port)": _kind_defaults_to_service,
+}
+
+
+def cel_violations(doc: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """CEL rules on nodes `doc` uses that fail (or have no Python equivalent, which fails too)."""
+    problems = []
+    for where, rule, node in _cel_nodes(doc, schema):
+        check = CEL_EQUIVALENTS.get(rule)
+        if check is None:
+            problems.append(f"{where}: CEL rule not checked offline: {rule}")
+        elif not check(node):
+            problems.append(f"{where}: CEL rule fails: {rule}")
+    return problems
+
+
+def _cel_nodes(doc: Any, schema: dict[str, Any], path: str = "") -> list[tuple[str, str, Any]]:
+    # (path, rule, node) of every CEL rule on a node of `doc`, as cel_rules walks them.
+    found = [(path or "/", rule["rule"], doc) for rule in schema.get("x-kubernetes-validations", [])]
     if isinstance(doc, dict):
         properties = schema.get("properties", {})
         for key, value in doc.items():
             if key in properties:
-                found += cel_rules(value, properties[key], f"{path}/{key}")
+                found += _cel_nodes(value, properties[key], f"{path}/{key}")
             elif isinstance(schema.get("additionalProperties"), dict):
-                found += cel_rules(value, schema["additionalProperties"], f"{path}/{key}")
+                found += _cel_nodes(value, schema["additionalProperties"], f"{path}/{key}")
     elif isinstance(doc, list) and isinstance(schema.get("items"), dict):
         for index, value in enumerate(doc):
-            found += cel_rules(value, schema["items"], f"{path}/{index}")
+            found += _cel_nodes(value, schema["items"], f"{path}/{index}")
     return found
 
 
@@ -581,6 +621,21 @@ class Peer:
     labels: dict[str, str] = field(default_factory=dict)
     namespace_labels: dict[str, str] = field(default_factory=dict)
     same_namespace: bool = False
+
+
+def kuberay_pod_labels(template_labels: dict[str, str], node_type: str, group: str, cluster: str) -> dict[str, str]:
+    """The labels KubeRay gives a Ray pod made from a group's template (its labelPod): the
+    template's own, plus `ray.io/is-ray-node: "yes"`, the node type, group and cluster where the
+    template does not set them (a template's label wins)."""
+    added = {
+        "ray.io/is-ray-node": "yes",
+        "ray.io/node-type": node_type,
+        "ray.io/group": group,
+        "ray.io/cluster": cluster,
+        "app.kubernetes.io/name": "kuberay",
+        "app.kubernetes.io/created-by": "kuberay-operator",
+    }
+    return {**added, **template_labels}
 
 
 def selector_matches(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:

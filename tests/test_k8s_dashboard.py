@@ -33,8 +33,11 @@ from k8s_validation import (
 DASHBOARD = K8S_DIR / "grafana-dashboard.json"
 # How each choice of the `prefix` variable renames the table's `tpserve_*` names.
 PREFIX_SOURCES = {"ray_tpserve": "ray_", "tpserve": ""}
-# Labels a query may use besides the metrics' own: `le` of histogram buckets.
-EXTRA_LABELS = {"le"}
+# Labels Prometheus adds to every series of a PodMonitor target (k8s/podmonitor.yaml): the
+# scraped pod, not in the exposition itself.
+TARGET_LABELS = {"pod"}
+# Labels a query may use besides the metrics' own: `le` of histogram buckets, the target labels.
+EXTRA_LABELS = {"le"} | TARGET_LABELS
 RATE_FUNCTIONS = ("rate", "irate", "increase")
 
 
@@ -200,7 +203,7 @@ def test_dashboard_series_exist_in_a_live_metrics_exposition():
             assert metric in labels_by_series, f"{title}: {metric} not in /metrics"
             exposed_labels |= labels_by_series[metric]
         # `le` is on the _bucket samples; every other label must be on one of the query's series.
-        assert info.labels <= exposed_labels, f"{title}: {info.labels - exposed_labels}"
+        assert info.labels - TARGET_LABELS <= exposed_labels, f"{title}: {info.labels - exposed_labels}"
 
 
 def test_every_metric_family_has_a_panel():
@@ -231,10 +234,32 @@ def test_dashboard_structure():
         "used vs cached vs capacity", "usage", "prefill vs decode", "preemption rate by phase",
         "running / waiting", "time to first token", "inter-token latency", "time per output token",
         "queue / prefill / decode / inference / e2e", "preemption stall", "throughput",
-        "finished requests by reason",
+        "finished requests by reason", "epp signal",
     ):
         assert words in titles, words
     assert sum("p99" in p["title"] for p in panels) >= 5 and sum("p50" in p["title"] for p in panels) >= 5
+
+
+def test_every_endpoint_picker_signal_has_a_per_pod_panel():
+    # The signals the endpoint picker reads (k8s/inference-pool.yaml), each shown per pod: the
+    # picker compares pods, so a sum over replicas would hide what it sees.
+    from test_gateway_metrics import parse_spec, tpserve_engine_config
+
+    engine = tpserve_engine_config()
+    wanted = {parse_spec(engine[field]).name for field in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "cacheInfoSpec")}
+    wanted.add("tpserve_kv_cache_capacity_tokens")
+    shown: set[str] = set()
+    for title, target in targets(load_dashboard()):
+        if not title.startswith("EPP signal"):
+            continue
+        info = parse_promql(substitute_variables(target["expr"], variable_values("tpserve")))
+        if "pod" in info.labels:
+            shown |= info.metrics
+    assert wanted - shown == set()
+    # The labels the picker reads from the cache-info metric are columns of its panel.
+    info_targets = [t["expr"] for title, t in targets(load_dashboard()) if title.startswith("EPP signal") and "_cache_config_info" in t["expr"]]
+    assert any(engine["cacheBlockSizeLabelName"] in e and engine["cacheNumBlocksLabelName"] in e and "num_gpu_blocks" in e
+               for e in info_targets)
 
 
 # ---------------------------------------------------------------------------------------------

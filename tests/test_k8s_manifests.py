@@ -27,12 +27,14 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from k8s_validation import (
+    CEL_EQUIVALENTS,
     CRD_FILES,
     DNS1035_LABEL,
     K8S_DIR,
     REPO_ROOT,
     all_k8s_documents,
     cel_rules,
+    cel_violations,
     core_errors,
     crd_errors,
     crd_schema,
@@ -214,6 +216,8 @@ def test_k8s_folder_has_the_expected_documents():
     assert ("podmonitor.yaml", "PodMonitor") in kinds
     assert ("rayservice.yaml", "RayService") in kinds
     assert ("networkpolicy.yaml", "NetworkPolicy") in kinds
+    assert ("inference-pool.yaml", "InferencePool") in kinds
+    assert ("inference-pool.yaml", "Deployment") in kinds
 
 
 @pytest.mark.parametrize(
@@ -225,17 +229,31 @@ def test_every_k8s_document_validates(path, doc):
     assert manifest_problems(doc) == [], f"{path.name}: {doc.get('kind')}"
 
 
-def test_cel_rules_on_used_fields_are_only_update_rules():
+def test_cel_rules_on_used_fields_hold():
     # jsonschema can't run the CEL rules (x-kubernetes-validations) of the CRDs. Those on fields the
-    # manifests use must be immutability rules ("self == oldSelf"), which a create always passes;
-    # any other rule needs a check here.
+    # manifests use are either immutability rules ("self == oldSelf"), which a create always
+    # passes, or rules written out in Python (k8s_validation.CEL_EQUIVALENTS); any other rule fails
+    # here until it gets its Python equivalent.
     for path, doc in all_k8s_documents():
         key = (doc["apiVersion"], doc["kind"])
         if key not in CRD_FILES:
             continue
-        rules = cel_rules(doc, crd_schema(*key, tightened=False))
-        others = [(where, rule) for where, rule in rules if rule != "self == oldSelf"]
-        assert others == [], f"{path.name}: CEL rules not checked offline: {others}"
+        assert cel_violations(doc, crd_schema(*key, tightened=False)) == [], path.name
+
+
+def test_cel_equivalents_reject_what_the_rules_reject():
+    pool = copy.deepcopy(next(doc for _, doc in all_k8s_documents() if doc["kind"] == "InferencePool"))
+    schema = crd_schema("inference.networking.k8s.io/v1", "InferencePool", tightened=False)
+    assert {rule for _, rule in cel_rules(pool, schema)} <= set(CEL_EQUIVALENTS)
+    duplicated = copy.deepcopy(pool)
+    duplicated["spec"]["targetPorts"].append(dict(duplicated["spec"]["targetPorts"][0]))
+    assert any("exists_one" in p for p in cel_violations(duplicated, schema))
+    portless = copy.deepcopy(pool)
+    portless["spec"]["endpointPickerRef"].pop("port")
+    assert any("has(self.port)" in p for p in cel_violations(portless, schema))
+    # A rule without a Python equivalent is reported, never skipped.
+    unknown = {"type": "object", "x-kubernetes-validations": [{"rule": "self.x > 0"}]}
+    assert cel_violations({}, unknown) == ["/: CEL rule not checked offline: self.x > 0"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +310,34 @@ BROKEN_PODMONITOR: dict[str, Breaker] = {
     "bad relabel action": (lambda d: d["spec"]["podMetricsEndpoints"][1]["relabelings"][0].update(action="keeps"), "'keeps' is not one of"),
     "missing selector": (lambda d: d["spec"].pop("selector"), "'selector' is a required property"),
 }
+
+
+def _pool(doc):
+    return doc["spec"]
+
+
+BROKEN_INFERENCE_POOL: dict[str, Breaker] = {
+    "misspelled selector field": (lambda d: _rename(_pool(d)["selector"], "matchLabels", "matchLabel"), "'matchLabel' was unexpected"),
+    "misspelled picker field": (lambda d: _rename(_pool(d)["endpointPickerRef"], "failureMode", "failMode"), "'failMode' was unexpected"),
+    "bad failure mode": (lambda d: _pool(d)["endpointPickerRef"].update(failureMode="Open"), "'Open' is not one of"),
+    "port as text": (lambda d: _pool(d)["targetPorts"][0].update(number="8000"), "'8000' is not of type 'integer'"),
+    "no target ports": (lambda d: _pool(d).update(targetPorts=[]), "should be non-empty"),
+    "missing selector": (lambda d: _pool(d).pop("selector"), "'selector' is a required property"),
+}
+
+
+def inference_pool() -> dict[str, Any]:
+    (doc,) = [d for d in load_manifests(K8S_DIR / "inference-pool.yaml") if d["kind"] == "InferencePool"]
+    return doc
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_INFERENCE_POOL))
+def test_validators_reject_broken_inference_pool(case):
+    breaker, expected = BROKEN_INFERENCE_POOL[case]
+    doc = copy.deepcopy(inference_pool())
+    breaker(doc)
+    problems = manifest_problems(doc)
+    assert any(expected in p for p in problems), (case, problems)
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN_RAYSERVICE))
@@ -570,11 +616,12 @@ def test_ports_probes_and_images():
     for group in gpu_worker_groups():
         probe = ray_container(group["template"])["readinessProbe"]
         command = " ".join(probe["exec"]["command"])
-        # tpserve's own health, plus what KubeRay's default probe checks (replaced by a custom one).
-        assert f"localhost:{serve_port}/health" in command
+        # What KubeRay's default probe checks (replaced by a custom one), on this pod's own
+        # Serve port; that it asks nothing else: tests/test_k8s_hardening.py.
         assert f"localhost:{serve_port}/-/healthz" in command
         assert "api/local_raylet_healthz" in command
-        assert probe["timeoutSeconds"] >= 3 * 2, "three wget calls of up to 2 s each"
+        wgets = command.count("wget ")
+        assert probe["timeoutSeconds"] >= wgets * 2, f"{wgets} wget calls of up to 2 s each"
 
 
 def test_podmonitor_scrapes_the_ray_pods():
@@ -649,11 +696,15 @@ def test_dockerfile_installs_everything_at_build_time():
     assert {".git", ".venv"} <= set(ignored)
 
 
-def test_readme_covers_the_operator_steps():
-    readme = (K8S_DIR / "README.md").read_text()
+def test_docs_cover_the_operator_steps():
+    guide = (REPO_ROOT / "docs" / "kubernetes.md").read_text()
     (image,) = {ray_container(t)["image"] for _, _, t in pod_groups()}
-    assert f"docker build -t {image} ." in readme, "the README builds the image the manifests run"
-    for manifest in ("k8s/rayservice.yaml", "k8s/podmonitor.yaml"):
-        assert f"kubectl apply -f {manifest}" in readme
-    for topic in ("port-forward", "curl", "/metrics", "tensor_parallel_size", "maxReplicas", "kuberay-operator"):
-        assert topic in readme, topic
+    assert f"docker build -t {image} ." in guide, "the guide builds the image the manifests run"
+    for manifest in sorted(p.name for p in K8S_DIR.glob("*.yaml")):
+        assert f"kubectl apply -f k8s/{manifest}" in guide, manifest
+    for topic in ("port-forward", "curl", "/metrics", "tensor_parallel_size", "maxReplicas", "kuberay-operator",
+                  "securityContext", "/dev/shm", "InferencePool", "grafana-dashboard.json"):
+        assert topic in guide, topic
+    # k8s/README.md stays a short index that points to the guide.
+    readme = (K8S_DIR / "README.md").read_text()
+    assert "docs/kubernetes.md" in readme and len(readme.splitlines()) < 60

@@ -115,6 +115,8 @@ def test_cache_config_info_labels():
         "tensor_parallel_size": "2",
         "enable_prefix_caching": "true",
         "dtype": "bfloat16",
+        # The endpoint picker's name for the KV blocks (Gateway API Inference Extension).
+        "num_gpu_blocks": "512",
     }
 
 
