@@ -14,11 +14,15 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine
 from deployments.engine.engine_metrics import EngineMetrics, make_stat_loggers
-from deployments.engine.exceptions import SERVER_SHUTTING_DOWN, EngineDeadError, EngineOverloadedError
+from deployments.engine.exceptions import (
+    SERVER_SHUTTING_DOWN, EngineDeadError, EngineOverloadedError, GrammarCompilerBusy, StructuredOutputError,
+)
 from deployments.engine.outputs import RequestOutput
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -28,6 +32,23 @@ logger = logging.getLogger("tpserve")
 
 # While idle, gauges are set again this often (Ray's export drops gauges left unset).
 _IDLE_GAUGE_REFRESH_S = 5.0
+
+# What a request reads when the engine could not queue it for a reason that is not its input's.
+ADD_FAILED_MESSAGE = "the server failed to queue this request"
+
+
+@dataclass
+class PendingAdd:
+    """A request admitted by `admit`, queued for the engine at the next loop iteration."""
+
+    # The scheduler's request.
+    request: Request
+    # When the HTTP request arrived (metrics).
+    arrival_ts: float
+    # Its compiled response_format grammar (None for a free request).
+    grammar: Any | None = None
+    # Set when it cannot be queued (its grammar failed to compile): it ends with this message.
+    error: str | None = None
 
 
 class RequestStream:
@@ -89,7 +110,10 @@ class AsyncEngine:
         )
         self.metrics.log_startup(self.engine)
         self._streams: dict[str, RequestStream] = {}
-        self._pending_adds: list[tuple[Request, float]] = []
+        self._pending_adds: list[PendingAdd] = []
+        # Constrained requests whose grammar is compiling (not in the cache at admission):
+        # request id -> its compile task. They count as waiting.
+        self._compiling: dict[str, asyncio.Task] = {}
         self._pending_aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -108,6 +132,9 @@ class AsyncEngine:
         # Requests still in flight end now with a clear error (their streams close in-band),
         # not by hanging until the process is killed.
         self._fail_all(SERVER_SHUTTING_DOWN)
+        for task in self._compiling.values():
+            task.cancel()
+        self._compiling.clear()
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._step_thread.shutdown(wait=False, cancel_futures=True)
@@ -154,10 +181,39 @@ class AsyncEngine:
         outputs = []
         for request in requests:
             stream = self._streams[request.request_id] = RequestStream()
-            self._pending_adds.append((request, arrival_ts))
+            self._queue_add(request, arrival_ts)
             outputs.append(self._outputs(request.request_id, stream))
         self._wakeup.set()
         return outputs
+
+    def _queue_add(self, request: Request, arrival_ts: float) -> None:
+        """Queue for the next iteration; a grammar not in the cache compiles first, on the
+        compile threads (the HTTP layer compiled it already, so this is the rare eviction)."""
+        spec = request.sampling_params.structured_output
+        if spec is None:
+            self._pending_adds.append(PendingAdd(request, arrival_ts))
+            return
+        grammar = self.engine.structured_output.cached(spec)
+        if grammar is not None:
+            self._pending_adds.append(PendingAdd(request, arrival_ts, grammar))
+            return
+        self._compiling[request.request_id] = asyncio.get_running_loop().create_task(
+            self._compile_then_add(request, arrival_ts))
+
+    async def _compile_then_add(self, request: Request, arrival_ts: float) -> None:
+        grammar, error = None, None
+        try:
+            grammar = await self.engine.structured_output.compile_async(request.sampling_params.structured_output)
+        except (StructuredOutputError, GrammarCompilerBusy) as exc:  # their words are for clients
+            error = str(exc)
+        except Exception:  # noqa: BLE001 - this request's failure, not the loop's
+            logger.exception("compiling the grammar of request %s failed", request.request_id)
+            error = ADD_FAILED_MESSAGE
+        if self._compiling.pop(request.request_id, None) is None:
+            return  # released while compiling: nobody reads it
+        self._pending_adds.append(PendingAdd(request, arrival_ts, grammar, error))
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        arrival_ts: float) -> AsyncIterator[RequestOutput]:
@@ -175,6 +231,8 @@ class AsyncEngine:
         for request_id in request_ids:
             if self._streams.pop(request_id, None) is not None:
                 self._pending_aborts.append(request_id)
+            # A request still compiling its grammar is never queued (its task finds it gone).
+            self._compiling.pop(request_id, None)
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -194,11 +252,11 @@ class AsyncEngine:
     # ---- introspection ------------------------------------------------------------------
     @property
     def num_waiting_requests(self) -> int:
-        return self.engine.num_waiting_requests + len(self._pending_adds)
+        return self.engine.num_waiting_requests + len(self._pending_adds) + len(self._compiling)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return self.engine.num_unfinished_requests + len(self._pending_adds)
+        return self.engine.num_unfinished_requests + len(self._pending_adds) + len(self._compiling)
 
     @property
     def num_used_kv_blocks(self) -> int:
@@ -208,12 +266,19 @@ class AsyncEngine:
     def _apply_pending(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         adds, self._pending_adds = self._pending_adds, []
-        for request, arrival_ts in adds:
-            self.metrics.on_request_added(request.request_id, arrival_ts)
+        for add in adds:
+            request = add.request
+            self.metrics.on_request_added(request.request_id, add.arrival_ts)
+            if add.error is not None:
+                outputs.append(_error_output(request.request_id, request.num_prompt_tokens, add.error))
+                continue
             try:
-                self.engine.add(request)
-            except ValueError as exc:
+                self.engine.add(request, add.grammar)
+            except ValueError as exc:  # the request's own input (the scheduler's words are for clients)
                 outputs.append(_error_output(request.request_id, request.num_prompt_tokens, str(exc)))
+            except Exception:  # noqa: BLE001 - one request that cannot be queued fails alone
+                logger.exception("queueing request %s failed", request.request_id)
+                outputs.append(_error_output(request.request_id, request.num_prompt_tokens, ADD_FAILED_MESSAGE))
         aborts, self._pending_aborts = self._pending_aborts, []
         if aborts:
             outputs.extend(self.engine.abort_requests(aborts))
@@ -260,6 +325,12 @@ class AsyncEngine:
                 reason = "the engine failed (a worker or the model step raised an error)"
             logger.exception("tpserve engine loop stopped: %s: %s: %s", reason, type(exc).__name__, exc)
             self._fail_all(reason)
+            # No request will step again: drop their grammar matchers. On the step thread, after
+            # the step that failed (a hung one may still run there) - never under it.
+            try:
+                self._step_thread.submit(self.engine.release_all_grammars)
+            except RuntimeError:  # the step thread is shut down (replica stopping): nothing to free for
+                pass
 
     async def _wait_for_work(self) -> None:
         """Sleep until a request or abort arrives, refreshing the gauges now and then."""

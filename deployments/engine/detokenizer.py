@@ -8,6 +8,18 @@ from scheduler.sampling_params import SamplingParams
 # (SentencePiece tokenizers drop it at the start of a decode).
 _PROMPT_CONTEXT_TOKENS = 5
 
+# Tokens held back while the text ends in an incomplete character. One UTF-8 character is at most
+# 4 bytes and every byte token at least one, so a character still incomplete after this many
+# tokens never will be: the run is invalid bytes (a model emitting lone continuation bytes). Past
+# it, the held tokens are released as decode shows them (U+FFFD), all but the last
+# _HELD_TOKENS_KEPT, which could still start a real character - so each step decodes a window
+# of at most _MAX_HELD_TOKENS + a few tokens instead of a window growing with the run.
+_MAX_HELD_TOKENS = 8
+# Enough to hold the 3 bytes that can follow a character's first byte: every sequence that
+# started before the split is then decided by bytes already seen, and the split never changes
+# what decode(all ids) shows.
+_HELD_TOKENS_KEPT = 4
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -34,10 +46,24 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._ids[self._prefix_offset :])
         # A trailing U+FFFD means a multi-byte character is still incomplete: wait for more.
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            if len(self._ids) - self._read_offset > _MAX_HELD_TOKENS:
+                self._release_invalid_run(prefix_text, full_text)
             return
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._append(full_text[len(prefix_text) :])
+
+    def _release_invalid_run(self, prefix_text: str, full_text: str) -> None:
+        """Release the held tokens but the last few, as decode shows them, when that text is
+        what decoding them together with the kept ones shows too (else hold on: the window is
+        still bounded by what a character can span)."""
+        split = len(self._ids) - _HELD_TOKENS_KEPT
+        released_text = self._decode(self._ids[self._prefix_offset : split])
+        if len(released_text) <= len(prefix_text) or not full_text.startswith(released_text):
+            return
+        self._prefix_offset = self._read_offset
+        self._read_offset = split
+        self._append(released_text[len(prefix_text) :])
 
     def _append(self, delta: str) -> None:
         search_from = max(0, len(self.text) - self._max_stop_len + 1)

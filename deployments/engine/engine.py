@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from deployments.config import TpserveConfig
 from scheduler.admission import AdmissionLimits, check_admission
 from deployments.engine.output_processor import OutputProcessor
 from deployments.engine.outputs import RequestOutput
-from deployments.engine.structured_output import StructuredOutputManager
+from deployments.engine.structured_output import GRAMMAR_FAILED_MESSAGE, GrammarLimits, StructuredOutputManager
 from metrics.stats import IterationStats
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestStatus
@@ -113,9 +114,11 @@ class LLMEngine:
         self.eos_token_ids = merge_eos_token_ids(self.model_config.eos_token_ids, self.generation_defaults,
                                                  self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
-        # Grammar matchers for response_format requests; built on first use (xgrammar's
-        # tokenizer tables take a moment and most deployments never constrain output).
-        self._structured_output: StructuredOutputManager | None = None
+        # Grammars and matchers of response_format requests. Built here, on the thread that
+        # loads the engine, so that nothing of it (importing xgrammar) runs on the event loop;
+        # xgrammar's tokenizer tables are made on the first compile, on a compile thread.
+        self._structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, GrammarLimits.from_config(config))
         # The last step's stats (stat loggers read it; tests too).
         self.last_iteration: IterationStats | None = None
 
@@ -127,19 +130,23 @@ class LLMEngine:
         check_admission(len(prompt_token_ids), params.max_tokens, self.admission_limits)
         return Request(request_id, prompt_token_ids, params, self.eos_token_ids, queued_ts)
 
-    def add(self, request: Request) -> None:
-        """Queue a request from `make_request` (between steps)."""
+    def add(self, request: Request, grammar: Any | None = None) -> None:
+        """Queue a request from `make_request` (between steps). A constrained request brings its
+        compiled `grammar` (the server compiles off the event loop); None compiles it here,
+        blocking (the offline entry point)."""
         spec = request.sampling_params.structured_output
         if spec is not None:
-            self.structured_output.add_request(request.request_id, spec)
-        self.scheduler.add_request(request)
+            self.structured_output.add_request(request.request_id, spec, grammar)
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            self._release_grammars([request.request_id])
+            raise
         self.output_processor.add_request(request)
 
     @property
     def structured_output(self) -> StructuredOutputManager:
         """Compiles response_format grammars (the HTTP layer validates through it, off-loop)."""
-        if self._structured_output is None:
-            self._structured_output = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size)
         return self._structured_output
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -152,7 +159,17 @@ class LLMEngine:
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         """End requests now (client gone, error); returns their final outputs."""
         ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        # Every id, not only those the scheduler still had: a matcher never outlives its request.
+        self._release_grammars(request_ids)
         return [self.output_processor.make_output(r, [], None) for r in ended]
+
+    def _release_grammars(self, request_ids) -> None:
+        for request_id in request_ids:
+            self._structured_output.remove_request(request_id)
+
+    def release_all_grammars(self) -> None:
+        """Drop every matcher (the engine failed: none of its requests will step again)."""
+        self._structured_output.remove_all()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -169,13 +186,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        if self._structured_output is not None:
-            self._structured_output.attach_bitmasks(scheduler_output, self.scheduler.requests)
+        # Requests whose grammar hook raised: each ends alone, with an error, after this step.
+        grammar_failures = self._structured_output.attach_bitmasks(scheduler_output, self.scheduler.requests)
         runner_output = self.executor.execute_model(scheduler_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self._structured_output is not None:
-            self._advance_grammars(updates)
-        outputs = self.output_processor.process(updates)
+        if self._structured_output.num_constrained:
+            self._advance_grammars(updates, grammar_failures)
+        outputs = self.output_processor.process(updates, grammar_failures)
+        if grammar_failures:
+            outputs += self._fail_without_update(grammar_failures, {u.request.request_id for u in updates})
+        # However a request ended this step (length, EOS, stop string, grammar, error), its
+        # matcher goes with it.
+        self._release_grammars([out.request_id for out in outputs if out.finished])
         stats = self.scheduler.make_stats()
         self.last_iteration = IterationStats(
             scheduler=stats,
@@ -187,19 +209,36 @@ class LLMEngine:
         )
         return outputs
 
-    def _advance_grammars(self, updates: list[RequestUpdate]) -> None:
+    def _fail_without_update(self, failures: dict[str, str], updated: set[str]) -> list[RequestOutput]:
+        """Failed requests the step brought no update for still end, with their error."""
+        outputs = []
+        for request_id, message in failures.items():
+            request = self.scheduler.requests.get(request_id)
+            if request_id not in updated and request is not None:
+                outputs.append(self.output_processor.fail(request, message))
+        return outputs
+
+    def _advance_grammars(self, updates: list[RequestUpdate], failures: dict[str, str]) -> None:
         """Feed sampled tokens to the matchers; a refused token ends that request alone, and a
-        completed grammar ends its request even when it ignores EOS (nothing may follow)."""
+        completed grammar ends its request even when it ignores EOS (nothing may follow). A
+        matcher that raises adds its request to `failures` (ended with an error by the output
+        processor); the other requests go on."""
         manager = self._structured_output
         for update in updates:
             request = update.request
-            if request.status.is_finished:
+            if request.status.is_finished or request.request_id in failures:
                 continue
-            reason = manager.advance(request, update.new_token_ids)
+            try:
+                reason = manager.advance(request, update.new_token_ids)
+                finished = reason is None and manager.is_finished(request.request_id)
+            except Exception:  # noqa: BLE001 - one request's grammar must not end the step
+                logger.exception("structured output failed for request %s while advancing", request.request_id)
+                failures[request.request_id] = GRAMMAR_FAILED_MESSAGE
+                continue
             if reason is not None:
                 request.error = reason
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-            elif manager.is_finished(request.request_id):
+            elif finished:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     # ---- introspection (tests, health) ---------------------------------------------------
@@ -208,4 +247,5 @@ class LLMEngine:
         return self.scheduler.kv.pool.num_used_blocks
 
     def shutdown(self) -> None:
+        self._structured_output.shutdown()
         self.executor.shutdown()

@@ -17,3 +17,13 @@ class EngineDeadError(RuntimeError):
 
 class StructuredOutputError(ValueError):
     """A response_format schema cannot be compiled into a grammar (an HTTP 400 naming it)."""
+
+
+class GrammarCompileTimeout(StructuredOutputError):
+    """A response_format schema took longer than grammar_compile_timeout_s to compile (a 400
+    naming response_format: the schema, not the server, is at fault)."""
+
+
+class GrammarCompilerBusy(EngineOverloadedError):
+    """Every grammar compile thread is held by compiles past their deadline: new schemas are
+    refused at once (503 + Retry-After) rather than queued behind work nobody waits for."""

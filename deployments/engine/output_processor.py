@@ -47,10 +47,16 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._detokenizers
 
-    def process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
-        """One output per update; a request whose text reached a stop string is finished here."""
+    def process(self, updates: list[RequestUpdate], failures: dict[str, str] | None = None) -> list[RequestOutput]:
+        """One output per update; a request whose text reached a stop string is finished here.
+        `failures` (request id -> message): requests that failed earlier in the step (their
+        grammar hook raised); they end here with that error and without this step's text."""
         outputs = []
         for update in updates:
+            message = failures.get(update.request.request_id) if failures else None
+            if message is not None:
+                outputs.append(self.fail(update.request, message))
+                continue
             try:
                 outputs.append(self._process_one(update))
             except Exception:  # noqa: BLE001 - one request's fault must not end the batch

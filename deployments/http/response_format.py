@@ -1,8 +1,10 @@
 """`response_format` at the edge: its request models, and the check that the schema compiles
 into a grammar (or the request is a 400 naming `response_format` before anything is queued).
 
-Compiling happens on the tokenizer pool (a large schema can take milliseconds to seconds) and
-fills the engine's grammar cache, so the engine's own compile at admission is a cache hit.
+Compiling happens on the engine's grammar compile threads (their own pool: the body-parsing and
+tokenizing threads never wait behind a schema), answered within grammar_compile_timeout_s, and
+fills the engine's grammar cache, so the engine's lookup at admission is a cache hit.
+docs/structured-output.md describes what is supported and the limits.
 """
 
 from __future__ import annotations
@@ -12,9 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deployments.engine.exceptions import StructuredOutputError
-from deployments.http.errors import bad_request
-from deployments.http.prompts import PromptTokenizer
+from deployments.engine.exceptions import GrammarCompilerBusy, StructuredOutputError
+from deployments.http.errors import OVERLOAD_RETRY_AFTER_S, APIError, bad_request
 from scheduler.sampling_params import StructuredOutputSpec
 
 
@@ -59,12 +60,21 @@ class ResponseFormat(BaseModel):
         return None
 
 
-async def check_response_format(request: Any, engine: Any, prompts: PromptTokenizer) -> None:
-    """`request`: a protocol SamplingRequest; `engine`: the AsyncEngine (its LLMEngine compiles)."""
+def compiler_busy(exc: GrammarCompilerBusy) -> APIError:
+    return APIError(503, f"The server cannot compile a new response_format now: {exc}", code="grammar_compiler_busy",
+                    headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
+
+
+async def check_response_format(request: Any, engine: Any) -> None:
+    """`request`: a protocol SamplingRequest; `engine`: the AsyncEngine (its LLMEngine compiles).
+    A schema that is too large, invalid or too slow to compile is a 400 naming response_format;
+    compile threads all stuck in overdue compiles is a 503."""
     spec = request.response_format.to_spec() if request.response_format else None
     if spec is None:
         return
     try:
-        await prompts.run(engine.engine.structured_output.compile, spec)
+        await engine.engine.structured_output.compile_async(spec)
     except StructuredOutputError as exc:
         raise bad_request(str(exc), "response_format") from None
+    except GrammarCompilerBusy as exc:
+        raise compiler_busy(exc) from None

@@ -16,7 +16,7 @@ from scheduler.admission import resolve_max_tokens
 from deployments.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from deployments.http.response_format import check_response_format
 from deployments.http.choice_streams import EngineStreamResponse
-from deployments.http.prompts import PromptTokenizer
+from deployments.http.prompts import PromptChecks, PromptTokenizer
 from deployments.http.protocol import ChatCompletionRequest
 from deployments.http.serving_common import ChoiceProgress, ResponseRun
 from deployments.http.validation import RequestLimits, check_chat_messages, check_common, model_max_tokens
@@ -51,18 +51,22 @@ class ChatServing:
 
     async def _prepare(self, request: ChatCompletionRequest) -> tuple[list[int], list[SamplingParams]]:
         """Every check, then the prompt's token ids and each choice's parameters."""
+        # Cheapest first: fields, then the conversation's size before the template renders it,
+        # then the rendered text's size before it is tokenized, then its tokens; the grammar
+        # compiles last, for a request that can run.
         check_common(request, self.engine.model_name, self.limits, self.vocab_size)
-        check_chat_messages(request, self.limits)
-        await check_response_format(request, self.engine, self.prompts)
+        messages = check_chat_messages(request, self.limits)
         if request.ignored_fields:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
-        token_ids = await self.prompts.chat_prompt(request.template_messages(), request.add_generation_prompt)
+        checks = PromptChecks(self.vocab_size, self.engine.admission_limits, self.limits.max_prompt_chars, "messages")
+        token_ids = await self.prompts.chat_prompt(messages, request.add_generation_prompt, checks)
         max_tokens_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         defaults = getattr(self.engine, "generation_defaults", None)
         max_tokens = resolve_max_tokens(
             request.requested_max_tokens(), model_max_tokens(defaults, None), len(token_ids),
             self.engine.admission_limits, "messages", max_tokens_param,
         )
+        await check_response_format(request, self.engine)
         return token_ids, [request.to_sampling_params(max_tokens, i, defaults) for i in range(request.n)]
 
     async def create(self, request: ChatCompletionRequest, arrival_ts: float) -> JSONResponse | EngineStreamResponse:

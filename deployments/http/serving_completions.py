@@ -17,7 +17,7 @@ from scheduler.admission import resolve_max_tokens
 from deployments.engine.outputs import PositionLogprobs, PromptTokenLogprob, RequestOutput
 from deployments.http.response_format import check_response_format
 from deployments.http.choice_streams import EngineStreamResponse
-from deployments.http.prompts import PromptTokenizer
+from deployments.http.prompts import PromptChecks, PromptTokenizer
 from deployments.http.protocol import CompletionRequest
 from deployments.http.serving_common import ChoiceProgress, ResponseRun
 from deployments.http.validation import RequestLimits, check_common, check_completion_prompts, model_max_tokens
@@ -116,14 +116,15 @@ class CompletionServing:
         self.vocab_size = vocab_size
 
     async def create(self, request: CompletionRequest, arrival_ts: float) -> JSONResponse | EngineStreamResponse:
+        # Cheapest first: fields and prompt sizes, then each prompt's tokens (checked as each is
+        # tokenized); the grammar compiles last, for a request that can run.
         check_common(request, self.engine.model_name, self.limits, self.vocab_size)
         prompt_list = request.prompt_list()
         check_completion_prompts(request, prompt_list, self.limits, self.vocab_size)
-        await check_response_format(request, self.engine, self.prompts)
         if request.ignored_fields:
             logger.warning("ignoring unknown request fields: %s", ", ".join(request.ignored_fields))
-        prompts, prompt_texts = await self.prompts.completion_prompts(prompt_list, request.echo)
-        firsts = await self._echo_first_tokens(request, prompts)
+        checks = PromptChecks(self.vocab_size, self.engine.admission_limits, self.limits.max_prompt_chars, "prompt")
+        prompts, prompt_texts = await self.prompts.completion_prompts(prompt_list, request.echo, checks)
         defaults = getattr(self.engine, "generation_defaults", None)
         params = []
         for token_ids in prompts:
@@ -132,6 +133,8 @@ class CompletionServing:
                 self.engine.admission_limits, "prompt"
             )
             params.append([request.to_sampling_params(max_tokens, i, defaults) for i in range(request.n)])
+        await check_response_format(request, self.engine)
+        firsts = await self._echo_first_tokens(request, prompts)
         run = ResponseRun.create(self.engine, request, "cmpl", "text_completion", prompts, params, arrival_ts)
         # Per choice: the echoed prompt text ("" without echo), and its logprobs when asked.
         echoes = [prompt_texts[c.spec.prompt_index] if request.echo else "" for c in run.choices]

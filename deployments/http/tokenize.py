@@ -18,9 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.http.body import parse_body
 from deployments.http.errors import bad_request
-from deployments.http.prompts import PromptTokenizer
+from deployments.http.prompts import PromptChecks, PromptTokenizer
 from deployments.http.protocol import ChatMessage
-from deployments.http.validation import RequestLimits, check_model, check_token_ids
+from deployments.http.validation import RequestLimits, check_conversation_size, check_model, check_token_ids
 
 
 class TokenizeRequest(BaseModel):
@@ -65,10 +65,11 @@ def add_tokenize_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: 
 
     async def token_ids(body: TokenizeRequest) -> list[int]:
         if body.messages is not None:
-            chars = sum(len(m.text()) for m in body.messages)
-            if chars > limits.max_prompt_chars:
-                raise bad_request(f"the messages may have at most {limits.max_prompt_chars} characters", "messages")
-            return await prompts.chat_prompt([m.for_template() for m in body.messages], body.add_generation_prompt)
+            messages = [m.for_template() for m in body.messages]
+            check_conversation_size(messages, limits)
+            # Sizes only: /tokenize counts tokens, it does not refuse a prompt over the context.
+            checks = PromptChecks(vocab_size, None, limits.max_prompt_chars, "messages")
+            return await prompts.chat_prompt(messages, body.add_generation_prompt, checks)
         if len(body.prompt) > limits.max_prompt_chars:
             raise bad_request(f"a prompt may have at most {limits.max_prompt_chars} characters", "prompt")
         # Keyword, not positional: encode's second positional parameter is `text_pair`.

@@ -8,7 +8,7 @@ field, raised before anything reaches the engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,8 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
+    # Most messages in one chat conversation.
+    max_messages_per_request: int = 1024
 
     @classmethod
     def from_config(cls, config: Any) -> "RequestLimits":
@@ -48,6 +50,7 @@ class RequestLimits:
             max_stop_strings=config.max_stop_strings,
             max_stop_string_chars=config.max_stop_string_chars,
             max_stop_token_ids=config.max_stop_token_ids,
+            max_messages_per_request=config.max_messages_per_request,
         )
 
 
@@ -131,11 +134,46 @@ def check_completion_prompts(
             check_token_ids(prompt, vocab_size, "prompt")
 
 
-def check_chat_messages(request: ChatCompletionRequest, limits: RequestLimits) -> None:
-    """Size of the conversation (before rendering the template) and the number of choices."""
-    _check_choices(1, request.n, limits)
-    num_chars = sum(len(m.text()) for m in request.messages)
+def conversation_chars(messages: Iterable[Mapping[str, Any]]) -> int:
+    """Every character the template receives: each field's name and value (role, name, content
+    and any other field), not only the content. A message with no content still renders as a
+    header and costs tokens; counting it is what bounds a flood of content-less messages."""
+    total = 0
+    stack: list[Any] = list(messages)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, Mapping):
+            total += sum(len(str(key)) for key in value)
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif value is not None:
+            total += len(str(value))
+    return total
+
+
+def check_conversation_size(messages: Sequence[Mapping[str, Any]], limits: RequestLimits) -> None:
+    """Number of messages and their characters, before the template renders them (chat and
+    /tokenize); the rendered text is checked again before it is tokenized (prompts.py)."""
+    if len(messages) > limits.max_messages_per_request:
+        raise bad_request(
+            f"at most {limits.max_messages_per_request} messages per request are allowed, got {len(messages)}",
+            "messages",
+        )
+    num_chars = conversation_chars(messages)
     if num_chars > limits.max_prompt_chars:
         raise bad_request(
-            f"the messages may have at most {limits.max_prompt_chars} characters in all, got {num_chars}", "messages"
+            f"the messages may have at most {limits.max_prompt_chars} characters in all (roles, names and "
+            f"content), got {num_chars}", "messages"
         )
+
+
+def check_chat_messages(request: ChatCompletionRequest, limits: RequestLimits) -> list[dict[str, Any]]:
+    """Size of the conversation (before rendering the template) and the number of choices;
+    returns the messages as the template receives them."""
+    _check_choices(1, request.n, limits)
+    messages = request.template_messages()
+    check_conversation_size(messages, limits)
+    return messages
