@@ -7,6 +7,10 @@ A block is in exactly one of three states (METRICS.md section 4):
 Cached and free blocks both sit in the free queue, least recently freed first; taking a cached
 block for new data evicts it from the prefix map. Block 0 is the null block: never handed out
 (padding in CUDA graphs points at it) and never counted.
+
+With an event collector attached (`events`, KV-cache events on), every change to the prefix map
+is reported to it: a block leaving the map here (eviction, reset) and, from the KV cache
+manager, which knows the tokens, the blocks that entered it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from scheduler.kv_events import KVEventCollector
 
 # A full block's identity: SHA-256 over its parent's key and its own token ids, so it names the
 # whole prefix up to the block. Python's `hash` would let a client craft a colliding prefix and
@@ -68,6 +74,8 @@ class BlockPool:
         self.num_cached_blocks = 0
         # Σ over blocks of max(0, ref_cnt - 1): lets used tokens count shared blocks once.
         self.num_extra_refs = 0
+        # Where prefix-map changes are reported; None (events off) costs one test per change.
+        self.events: KVEventCollector | None = None
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -125,26 +133,38 @@ class BlockPool:
     def lookup(self, key: BlockKey) -> KVBlock | None:
         return self._cached.get(key) if self.enable_prefix_caching else None
 
-    def register(self, block: KVBlock, key: BlockKey) -> None:
-        """Make a full, held block findable by its content."""
+    def register(self, block: KVBlock, key: BlockKey) -> bool:
+        """Make a full, held block findable by its content; True when it entered the map now."""
         if not self.enable_prefix_caching or block.block_key is not None:
-            return
+            return False
         # An identical block may already be cached (two requests computed the same prefix at
         # once); keep the first one findable and leave this one an unregistered private copy, so
         # that once released it is free, not counted as a cached block nobody can ever hit.
         if key in self._cached:
-            return
+            return False
         block.block_key = key
         self._cached[key] = block
+        return True
+
+    @property
+    def cached_keys(self) -> set[BlockKey]:
+        """Every key a prefix lookup can find now (held and evictable blocks alike)."""
+        return set(self._cached)
 
     def _evict(self, block: KVBlock) -> None:
         if self._cached.get(block.block_key) is block:
             del self._cached[block.block_key]
+            if self.events is not None:
+                self.events.removed(block.block_key)
         block.block_key = None
         self.num_cached_blocks -= 1
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block (used when weights change or for tests)."""
+        """Forget every cached block (used when weights change or for tests). Blocks still held
+        stay findable: their content is valid and their requests will release them."""
         for block in list(self._free_queue.values()):
             if block.block_key is not None:
                 self._evict(block)
+        # Subscribers get the one-event form when it is true; otherwise the removals stand.
+        if self.events is not None and not self._cached:
+            self.events.cleared()

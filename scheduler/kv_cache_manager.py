@@ -1,7 +1,8 @@
 """Per-request view of the block pool: which blocks each request holds, prefix hits, allocation.
 
 Verbs: `get_computed_blocks` (prefix-cache lookup), `allocate_slots` (reserve room for the tokens
-scheduled this step), `free` (release everything a request holds), `snapshot` (METRICS.md s.4).
+scheduled this step), `free` (release everything a request holds), `snapshot` (METRICS.md s.4),
+`enable_events` / `take_events` (KV-cache events for prefix-aware routers, docs/kv-events.md).
 
 Sliding-window models (every layer attends to the last `sliding_window` positions only, as
 Mistral v0.1): once no future query can see a block, `on_tokens_computed` releases it and the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from metrics.stats import KVCacheSnapshot
 from scheduler.block_pool import NULL_BLOCK_ID, BlockKey, BlockPool, KVBlock, hash_block
+from scheduler.kv_events import KVEventBatch, KVEventCollector
 from scheduler.request import Request
 
 
@@ -42,6 +44,17 @@ class KVCacheManager:
         # `on_tokens_computed` / `free`, so used tokens cost O(1) per snapshot.
         self._num_held_tokens = 0
         self._req_held_tokens: dict[str, int] = {}
+
+    # ---- KV-cache events -----------------------------------------------------------------
+    def enable_events(self) -> None:
+        """Start reporting prefix-cache changes (from an empty cache: call before any request)."""
+        if self.pool.events is None:
+            self.pool.events = KVEventCollector()
+
+    def take_events(self) -> KVEventBatch | None:
+        """The prefix-cache changes since the last call (None: none, or events off)."""
+        events = self.pool.events
+        return events.take() if events is not None else None
 
     # ---- lookups ------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -112,10 +125,35 @@ class KVCacheManager:
         keys = self._req_keys[request.request_id]
         blocks = self._req_blocks[request.request_id]
         num_full = num_tokens // self.block_size
+        if num_full <= len(keys):
+            return  # no block filled up (most decode steps)
+        # Indices of the blocks that entered the prefix map now; only built when events are on.
+        stored: list[int] | None = [] if self.pool.events is not None else None
         for index in range(len(keys), num_full):
             key = self._block_key(request, index, keys[-1] if keys else None)
             keys.append(key)
-            self.pool.register(blocks[index], key)
+            if self.pool.register(blocks[index], key) and stored is not None:
+                stored.append(index)
+        if stored:
+            self._report_stored(request, keys, stored)
+
+    def _report_stored(self, request: Request, keys: list[BlockKey], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks. Hits and private copies
+        of an already cached block break a run: they did not enter the map now."""
+        bs = self.block_size
+        events = self.pool.events
+        if stored[-1] - stored[0] == len(stored) - 1:  # the usual case: one run
+            first, end = stored[0], stored[-1] + 1
+            events.stored(keys[first:end], keys[first - 1] if first else None,
+                          request.token_ids_range(first * bs, end * bs))
+            return
+        run_start = 0
+        for i in range(1, len(stored) + 1):
+            if i == len(stored) or stored[i] != stored[i - 1] + 1:
+                first, end = stored[run_start], stored[i - 1] + 1
+                events.stored(keys[first:end], keys[first - 1] if first else None,
+                              request.token_ids_range(first * bs, end * bs))
+                run_start = i
 
     def free(self, request: Request) -> None:
         """Release all blocks of a request (finish, abort or preemption); tail first."""
