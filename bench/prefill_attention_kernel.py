@@ -24,6 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from scheduler.math_utils import cdiv
+
 # A 2,048-token step of the 64-stream workload's kind (prompts 64-512 tokens).
 DEFAULT_PROMPTS = "250,180,320,90,400,300,280,228"
 BLOCK_SIZE = 16
@@ -33,7 +35,7 @@ def make_step(prompt_lens: list[int], heads: int, kv_heads: int, head_dim: int, 
     """q for the step's tokens, caches holding every prompt's K/V in shuffled blocks, the kernel's
     block tables and chunk table, and each chunk's own K/V for SDPA."""
     gen = torch.Generator().manual_seed(seed)
-    widths = [-(-n // BLOCK_SIZE) for n in prompt_lens]
+    widths = [cdiv(n, BLOCK_SIZE) for n in prompt_lens]
     num_blocks = sum(widths) + 1
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=gen)

@@ -67,14 +67,6 @@ def first_ts(events: list[RequestEvent], event_type: EventType) -> float | None:
     return None
 
 
-def last_ts(events: list[RequestEvent], event_type: EventType) -> float | None:
-    """Timestamp of the last event of `event_type`, or None."""
-    for event in reversed(events):
-        if event.type == event_type:
-            return event.ts
-    return None
-
-
 def _difference(end_ts: float | None, start_ts: float | None) -> float | None:
     if end_ts is None or start_ts is None:
         return None

@@ -17,11 +17,8 @@ from __future__ import annotations
 from metrics.stats import KVCacheSnapshot
 from scheduler.block_pool import NULL_BLOCK_ID, BlockKey, BlockPool, KVBlock, hash_block
 from scheduler.kv_events import KVEventBatch, KVEventCollector
+from scheduler.math_utils import cdiv
 from scheduler.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from metrics.events import EventType, now
 from metrics.stats import SchedulerStats
+from scheduler.admission import AdmissionLimits, check_admission
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import (
@@ -63,26 +64,18 @@ class Scheduler:
         self._stats = SchedulerStats()
 
     # ---- intake -------------------------------------------------------------------------
+    @property
+    def admission_limits(self) -> AdmissionLimits:
+        """What bounds one request here: the context length and every usable KV block."""
+        return AdmissionLimits(self.config.max_model_len, self.kv.pool.num_usable_blocks * self.config.block_size)
+
     def add_request(self, request: Request) -> None:
-        if request.num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {request.num_prompt_tokens} tokens, max_model_len is "
-                f"{self.config.max_model_len}"
-            )
-        # At its longest the request holds the K/V of all its tokens but the last sampled one.
-        # One that needs more blocks than the whole cache would preempt itself forever.
-        max_len = min(
-            request.num_prompt_tokens + max(request.sampling_params.max_tokens, 1),
-            self.config.max_model_len,
-        )
-        num_blocks_needed = -(-(max_len - 1) // self.config.block_size)
-        if num_blocks_needed > self.kv.pool.num_usable_blocks:
-            raise ValueError(
-                f"the request can reach {max_len} tokens, which needs {num_blocks_needed} KV "
-                f"blocks; the KV cache has {self.kv.pool.num_usable_blocks}"
-            )
+        # The one admission rule (scheduler/admission.py): a request that could never finish (more
+        # blocks than the whole cache) would preempt itself forever. The scheduler ends a request
+        # at max_model_len ("length"), so only the max_tokens that fit the context count here
+        # (the HTTP layer and the engine refuse a larger max_tokens before it gets here).
+        max_tokens = max(1, min(request.sampling_params.max_tokens, self.config.max_model_len - request.num_prompt_tokens))
+        check_admission(request.num_prompt_tokens, max_tokens, self.admission_limits)
         self.waiting.append(request)
         self.requests[request.request_id] = request
 

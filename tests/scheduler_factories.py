@@ -25,6 +25,7 @@ from metrics.events import EventType, RequestEvent
 from metrics.stats import SchedulerStats
 from scheduler.block_pool import NULL_BLOCK_ID
 from scheduler.config import SchedulerConfig
+from scheduler.math_utils import cdiv
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
@@ -44,10 +45,6 @@ DEFAULT_CONFIG = dict(
 
 _prompt_tokens = itertools.count(100_000)
 _request_ids = itertools.count()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def make_config(**overrides) -> SchedulerConfig:

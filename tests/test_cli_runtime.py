@@ -112,8 +112,15 @@ def test_auto_dtype(monkeypatch, fast_bf16):
     monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: fast_bf16)
     assert runtime.resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast_bf16 else torch.float32)
     assert runtime.resolve_dtype("auto", "cuda") == torch.bfloat16
-    for name in ("float32", "bfloat16", "float16"):
+    for name in ("float32", "bfloat16"):
         assert runtime.resolve_dtype(name, "cpu") == getattr(torch, name)
+    assert runtime.resolve_dtype("float16", "cuda") == torch.float16
+
+
+def test_float16_on_cpu_is_refused_naming_the_field():
+    # The CPU kernels and oneDNN paths take float32 or bfloat16 only.
+    with pytest.raises(ValueError, match="dtype: float16"):
+        runtime.resolve_dtype("float16", "cpu")
 
 
 def test_cpu_threads_as_asked_else_every_allowed_core():

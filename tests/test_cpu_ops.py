@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from engine_helpers import greedy, make_engine, run_engine
 from kv_layouts import head_major
 from model_fixtures import make_tiny_llama
+from kernel_requirements import requires_kernels
 from workers.cpu import kernels as cpu_ops
 from workers.attention.paged import AttentionMetadata, paged_attention, write_kv
 from workers.runner.decode_inputs import decode_mask
 from workers.model.rotary import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
-                                                          "(no g++ or ninja; the log says why)")
+pytestmark = requires_kernels
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -223,22 +223,7 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_kernels(tmp_path
     path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=tied, head_dim=head_dim)
     prompts = {f"r{i}": (list(range(3 + i, 40 + 23 * i)), greedy(16)) for i in range(5)}
     engines = [make_engine(path, cpu_kernels=on, max_num_batched_tokens=64) for on in (False, True)]
-    assert [e.executor.worker.cpu_kernels for e in engines] == [False, True]
+    assert [e.executor.worker.backend.name for e in engines] == ["torch", "cpu_kernels"]
     outputs = [run_engine(engine, prompts) for engine in engines]
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 16 for tokens in outputs[1].values())
-
-
-def test_the_kernels_can_be_switched_off_by_environment(monkeypatch):
-    monkeypatch.setenv(cpu_ops.ENV_DISABLE, "0")
-    assert cpu_ops._build_and_load() is False
-
-
-def test_the_build_is_keyed_by_the_cpu_flags(tmp_path):
-    """A -march=native library is never shared between CPU models (a cluster's shared cache)."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.write_text("processor : 0\nflags : fpu avx2 avx512f\n")
-    b.write_text("processor : 0\nflags : fpu avx2\n")
-    assert cpu_ops.extension_name(str(a)) != cpu_ops.extension_name(str(b))
-    assert cpu_ops.extension_name(str(a)) == cpu_ops.extension_name(str(a))
-    assert cpu_ops.extension_name(str(a)).startswith(cpu_ops.EXTENSION_NAME)

@@ -14,7 +14,8 @@ import torch
 
 from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
-from workers.attention.paged import AttentionMetadata, paged_attention
+from workers.attention.paged import AttentionMetadata
+from workers.model.backend import TORCH
 from scheduler.block_pool import NULL_BLOCK_ID as NULL_BLOCK
 from workers.runner.cuda_graph import (
     CudaGraphRunner,
@@ -294,14 +295,14 @@ def test_torch_decode_kernel_matches_cpu_attention(width):
     lens = torch.tensor(real.context_lens)
     mask = (torch.arange(4 * bs)[None, :] < lens[:, None])[:, None, None, :]
     cpu_meta = AttentionMetadata(slots[:3], 3, tables, mask, [])
-    expected = paged_attention(q[:3], k_new[:3], v_new[:3], k1, v1, cpu_meta, 0.25)
+    expected = TORCH.attention(q[:3], k_new[:3], v_new[:3], k1, v1, cpu_meta, 0.25)
 
     # The graph-safe kernel, padded batch, a wider static table.
     k2, v2 = k_cache.clone(), v_cache.clone()
     decode = DecodeAttention(torch.tensor(padded_block_tables(padded.block_tables, width), dtype=torch.int32),
                              torch.tensor(padded.context_lens, dtype=torch.int32), TorchDecodeAttention())
     meta = AttentionMetadata(slots, 4, None, None, [], gpu_decode=decode)
-    got = paged_attention(q, k_new, v_new, k2, v2, meta, 0.25)
+    got = TORCH.attention(q, k_new, v_new, k2, v2, meta, 0.25)
     torch.testing.assert_close(got[:3], expected)
     assert torch.isfinite(got).all()
     # Padding wrote only into the null block.

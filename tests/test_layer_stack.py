@@ -17,11 +17,11 @@ import torch
 from engine_helpers import greedy, make_engine, run_engine
 from family_models import make_tiny_family_model
 from model_fixtures import make_tiny_llama
+from kernel_requirements import requires_kernels
 from workers.cpu import kernels as cpu_ops
 from workers.model.default_model import ensure_default_model
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
-                                                          "(no g++ or ninja; the log says why)")
+pytestmark = requires_kernels
 
 
 class StackVsLoop:

@@ -16,13 +16,15 @@ import torch
 from engine_helpers import greedy, make_engine, run_engine
 from kv_layouts import head_major
 from model_fixtures import make_tiny_llama
+from kernel_requirements import requires_kernels
 from workers.cpu import kernels as cpu_ops
-from workers.attention.paged import AttentionMetadata, PrefillChunk, paged_attention
+from workers.attention.paged import AttentionMetadata, PrefillChunk
+from workers.model.backend import TORCH, CpuKernelBackend
 from workers.runner.decode_inputs import padded_block_tables
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
-                                                          "(no g++ or ninja; the log says why)")
+pytestmark = requires_kernels
 BLOCK_SIZE = 16
+KERNELS = CpuKernelBackend(prefill_attention=True, layer_stack=False)
 
 
 def _step(dtype, heads, kv_heads, head_dim, chunks, seed=0):
@@ -71,7 +73,8 @@ def _both_paths(dtype, heads, kv_heads, head_dim, chunks, window=None, soft_cap=
     outs = []
     for kernel in (False, True):
         kc, vc = k_cache.clone(), v_cache.clone()
-        outs.append(paged_attention(q, k, v, kc, vc, meta(kernel), scale, window, soft_cap, cpu_kernels=kernel))
+        backend = CpuKernelBackend(prefill_attention=True, layer_stack=False) if kernel else TORCH
+        outs.append(backend.attention(q, k, v, kc, vc, meta(kernel), scale, window, soft_cap))
     return outs
 
 
@@ -129,7 +132,7 @@ def test_bf16_sdpa_path_pads_rows_and_matches_unpadded_sdpa(chunks):
     v_cache += 8
     scale = 64 ** -0.5
     written_k, written_v = k_cache.clone(), v_cache.clone()  # the caches as the step leaves them
-    padded = paged_attention(q, k, v, written_k, written_v, meta(False), scale)
+    padded = TORCH.attention(q, k, v, written_k, written_v, meta(False), scale)
     for chunk in meta(False).prefills:
         s, n, context = chunk.query_start, chunk.query_len, chunk.context_len
         keys = gather_blocks(written_k, chunk.block_table)[:context].transpose(0, 1)[None]
@@ -145,7 +148,7 @@ def test_prefill_kernel_reads_a_head_major_cache_as_it_reads_a_token_major_one()
 
     outs, caches = [], []
     for kc, vc in ((k_cache.clone(), v_cache.clone()), (head_major(k_cache), head_major(v_cache))):
-        outs.append(paged_attention(q, k, v, kc, vc, meta(True), 0.125, cpu_kernels=True))
+        outs.append(KERNELS.attention(q, k, v, kc, vc, meta(True), 0.125))
         caches.append((kc, vc))
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
@@ -155,7 +158,7 @@ def test_prefill_kernel_takes_int64_tables():
     q, k, v, k_cache, v_cache, meta = _step(torch.float32, 9, 3, 64, [(30, 70)])
     m32, m64 = meta(True), meta(True)
     m64.prefill_block_tables = m64.prefill_block_tables.long()
-    outs = [paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), m, 0.125, cpu_kernels=True) for m in (m32, m64)]
+    outs = [KERNELS.attention(q, k, v, k_cache.clone(), v_cache.clone(), m, 0.125) for m in (m32, m64)]
     assert torch.equal(outs[0], outs[1])
 
 
@@ -187,7 +190,7 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_prefill_kernel(t
     prompts = {f"r{i}": (shared + list(range(100 + i, 130 + 17 * i)), greedy(12)) for i in range(4)}
     engines = [make_engine(path, cpu_prefill_attention=on, max_num_batched_tokens=48, enable_prefix_caching=True)
                for on in (False, True)]
-    assert [e.executor.worker.runner.cpu_prefill_attention for e in engines] == [False, True]
+    assert [e.executor.worker.backend.prefill_attention for e in engines] == [False, True]
     outputs = [run_engine(engine, prompts) for engine in engines]
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 12 for tokens in outputs[1].values())
@@ -198,4 +201,4 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_prefill_kernel(t
     while engine.has_unfinished_requests():
         hits = [out.num_cached_tokens for out in engine.step() if out.finished]
     assert hits == [64]
-    assert make_engine(path, dtype="bfloat16").executor.worker.runner.cpu_prefill_attention is False
+    assert make_engine(path, dtype="bfloat16").executor.worker.backend.prefill_attention is False

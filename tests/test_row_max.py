@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_requirements import requires_kernels
 from workers.cpu import kernels as cpu_ops
-from workers.sampling.sampler import row_max
+from workers.model.backend import TORCH, CpuKernelBackend
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="the CPU kernels did not build on this machine "
-                                                          "(no g++ or ninja; the log says why)")
+pytestmark = requires_kernels
 
 
 def _check(x: torch.Tensor) -> None:
@@ -50,16 +50,17 @@ def test_row_max_takes_strided_rows_and_refuses_other_dtypes():
 
 
 def test_the_sampler_s_row_max_takes_the_kernel_only_when_told(monkeypatch):
-    """row_max(x, cpu_kernels) calls the kernel for CPU float32 rows when the kernels are on, and
-    torch's max otherwise (non-float32 rows too); the results are the same."""
+    """The kernel backend's row_max calls the kernel for CPU float32 rows, torch's max otherwise
+    (non-float32 rows too), and the torch backend never does; the results are the same."""
     calls = []
     kernel = torch.ops.tpserve_cpu.row_max
     monkeypatch.setattr(torch.ops.tpserve_cpu, "row_max", lambda x: calls.append(x.shape) or kernel(x))
+    KERNELS = CpuKernelBackend(prefill_attention=False, layer_stack=False)
     torch.manual_seed(1)
     x = torch.randn(4, 1000)
     x[2, 10] = float("nan")
     ref_values, ref_indices = x.max(dim=-1)
     for on, dtype, expected_calls in ((False, torch.float32, 0), (True, torch.float32, 1), (True, torch.float64, 1)):
-        values, indices = row_max(x.to(dtype), cpu_kernels=on)
+        values, indices = (KERNELS if on else TORCH).row_max(x.to(dtype))
         assert len(calls) == expected_calls
         assert torch.equal(indices, ref_indices) and values.isnan().tolist() == [False, False, True, False]

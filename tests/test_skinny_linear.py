@@ -11,10 +11,11 @@ import torch.nn.functional as F
 
 from engine_helpers import greedy, make_engine, run_engine
 from model_fixtures import make_tiny_llama
+from kernel_requirements import requires_kernels
 from workers.cpu import kernels as cpu_ops
 from workers.cpu.linear import can_prepack
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason="needs tpserve's CPU kernels (a C++ compiler)")
+pytestmark = requires_kernels
 
 
 def test_skinny_linear_refuses_float32():

@@ -25,7 +25,10 @@ def cpu_has_fast_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """"auto": bfloat16 on GPU and on CPUs with native bf16 dot products, else float32."""
+    """"auto": bfloat16 on GPU and on CPUs with native bf16 dot products, else float32. float16
+    is refused on CPU: its kernels and oneDNN paths take float32 or bfloat16."""
+    if name == "float16" and device == "cpu":
+        raise ValueError("dtype: float16 is not supported on CPU; use bfloat16, float32 or auto")
     if name == "auto":
         return torch.bfloat16 if device == "cuda" or cpu_has_fast_bf16() else torch.float32
     return getattr(torch, name)

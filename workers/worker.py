@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from workers.cpu import kernels as cpu_ops
+from workers.cpu import kernels
 from workers.cpu.linear import (LAYOUT_AMX, LAYOUT_PANEL, LAYOUT_PLAIN, calibrate_panel_rows, can_prepack,
                                 packable_in_sixteens, prepack_linears)
 from workers.runner.cuda_graph import CudaGraphRunner, make_graph_runner
 from workers.runner.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, check_room_for_one_request, gpu_kv_budget,
                               kv_spec_for, num_blocks_for_budget)
+from workers.model.backend import TORCH, TorchBackend, select_backend
 from workers.model.decoder import DecoderForCausalLM, build_model
 from workers.model.config import ModelConfig
 from workers.runner.model_runner import ModelRunner
@@ -55,9 +56,9 @@ class WorkerConfig:
     decode_attention: str = "auto"
     # CPU only: prepack linear weights for oneDNN once after loading (workers/cpu/linear.py).
     cpu_prepack_linear: bool = True
-    # CPU only: tpserve's own kernels for norms, rotary, SiLU, KV write and decode attention
-    # (workers/cpu/kernels.py), where they build on this machine.
-    cpu_kernels: bool = True
+    # CPU only: tpserve's own kernels (workers/cpu/kernels.py): "auto" where they load, "on" or
+    # fail at load, "off" torch ops (workers/model/backend.py).
+    cpu_kernels: str = "auto"
     # CPU, with prepacking and the kernels: batches of up to as many rows as panel_linear was
     # timed faster than oneDNN at load (float32, on a copy of each weight in panels; on a Zen 3
     # every batch), 64 (bf16 with AMX: amx_linear on an AMX tile copy) or 8 (bf16 with
@@ -98,23 +99,22 @@ class WorkerCore:
         self.model: DecoderForCausalLM | None = None
         self.runner: ModelRunner | None = None
         self.kv_spec: KVCacheSpec | None = None
-        # Whether the model runs tpserve's CPU kernels (decided at load).
-        self.cpu_kernels = False
+        # How this rank computes (torch ops, or tpserve's CPU kernels), chosen once at load.
+        self.backend: TorchBackend = TORCH
 
     def load_model(self) -> WorkerLoadReport:
         start = time.perf_counter()
         cfg = self.config
+        self.backend = select_backend(self.device, cfg.dtype, cfg.cpu_kernels,
+                                      prefill_attention=cfg.cpu_prefill_attention, layer_stack=cfg.cpu_layer_stack)
         with torch.device(self.device):
-            model = build_model(self.model_config, self.tp, cfg.dtype, max_positions=cfg.max_model_len)
+            model = build_model(self.model_config, self.tp, cfg.dtype, max_positions=cfg.max_model_len,
+                                backend=self.backend)
         param_bytes = model.load_weights(cfg.model_path)
-        self.cpu_kernels = cfg.cpu_kernels and self.device.type == "cpu" and cpu_ops.load()
         if cfg.cpu_prepack_linear and can_prepack(self.device, cfg.dtype):
             rows, layout = self._small_batch_rows(model)
             prepack_linears(model, small_batch_rows=rows, layout=layout)
-        if self.cpu_kernels:
-            model.use_cpu_kernels()
-            if cfg.cpu_layer_stack:
-                model.use_cpu_layer_stack()
+        model.build_layer_stack()
         self.model = model.eval()
         load_time = time.perf_counter() - start
         self.kv_spec = kv_spec_for(self.model_config, cfg.block_size, model.num_local_kv_heads, cfg.dtype)
@@ -133,9 +133,9 @@ class WorkerCore:
         """Rows up to which projections take one of tpserve's kernels (0: off, or no such kernel
         here), and the layout of the weight copy that kernel reads (cpu_linear.LAYOUT_*)."""
         cfg = self.config
-        if not (cfg.cpu_small_batch_linear and self.cpu_kernels):
+        if not (cfg.cpu_small_batch_linear and self.backend.name == "cpu_kernels"):
             return 0, LAYOUT_PLAIN
-        ops = cpu_ops.ops()
+        ops = kernels.ops()
         if cfg.dtype == torch.float32:
             shapes = tuple(tuple(m.weight.shape) for m in model.layers[0].modules() if hasattr(m, "packed_weight"))
             if not shapes or not ops.panel_linear_available() or not packable_in_sixteens(model):
@@ -148,13 +148,6 @@ class WorkerCore:
                 return amx_rows, LAYOUT_AMX
             return int(ops.skinny_linear_max_rows_bf16()), LAYOUT_PLAIN  # 0 without AVX512-BF16
         return 0, LAYOUT_PLAIN
-
-    def _cpu_prefill_attention(self) -> bool:
-        """Whether prefill chunks take the kernels' flash attention: float32 only, where it was
-        measured (1.5-3x torch's SDPA on a 2-core AMD EPYC); bf16 keeps SDPA, whose bf16 path
-        (AMX tiles on a Xeon) this kernel, computing in float32, was not measured against."""
-        cfg = self.config
-        return cfg.cpu_prefill_attention and self.cpu_kernels and cfg.dtype == torch.float32
 
     def _kv_budget(self, param_bytes: int) -> tuple[int, str]:
         cfg = self.config
@@ -174,8 +167,7 @@ class WorkerCore:
         stop_ids = tuple(self.model_config.eos_token_ids)
         graph_runner = self._make_graph_runner(kv_caches) if self.device.type == "cuda" else None
         self.runner = ModelRunner(self.model, kv_caches, self.config.block_size, self.device, stop_ids,
-                                  graph_runner=graph_runner, cpu_kernels=self.cpu_kernels,
-                                  cpu_prefill_attention=self._cpu_prefill_attention())
+                                  graph_runner=graph_runner, backend=self.backend)
 
     def _make_graph_runner(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CudaGraphRunner:
         """GPU decode runner; its graphs are captured now (the KV cache exists) unless enforce_eager.

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from deployments.config import TpserveConfig
+from deployments.engine.kv_event_publisher import KVEventPublisher
 from scheduler.admission import AdmissionLimits, check_admission
 from deployments.engine.output_processor import OutputProcessor
 from deployments.engine.outputs import RequestOutput
@@ -107,6 +108,8 @@ class LLMEngine:
             sliding_window=self.model_config.kv_sliding_window,
         )
         self.scheduler = Scheduler(self.scheduler_config)
+        # KV-cache events for prefix-aware routers (docs/kv-events.md); None when off.
+        self.kv_event_publisher = KVEventPublisher.from_config(config.kv_events, self.scheduler.kv)
         # What bounds one request here (the HTTP layer checks against the same object).
         self.admission_limits = AdmissionLimits(self.max_model_len, (num_blocks - 1) * config.block_size)
         # What the model's generation_config.json asks for where a request is silent.
@@ -190,6 +193,8 @@ class LLMEngine:
         grammar_failures = self._structured_output.attach_bitmasks(scheduler_output, self.scheduler.requests)
         runner_output = self.executor.execute_model(scheduler_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.scheduler.kv.take_events())
         if self._structured_output.num_constrained:
             self._advance_grammars(updates, grammar_failures)
         outputs = self.output_processor.process(updates, grammar_failures)
@@ -248,4 +253,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self._structured_output.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
         self.executor.shutdown()

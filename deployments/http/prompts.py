@@ -23,6 +23,7 @@ from typing import Any
 
 from deployments.http.errors import bad_request
 from scheduler.admission import AdmissionLimits, check_admission
+from scheduler.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class PromptTokenizer:
         per_token = self.max_chars_per_token
         if checks.admission_limits is None or per_token is None:
             return
-        fewest_tokens = -(-len(text) // per_token)
+        fewest_tokens = cdiv(len(text), per_token)
         if fewest_tokens >= checks.admission_limits.max_request_tokens:
             check_admission(fewest_tokens, 1, checks.admission_limits, checks.param, checks.param)
 

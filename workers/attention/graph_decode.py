@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from scheduler.block_pool import NULL_BLOCK_ID
+from scheduler.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ class FlashInferDecodeAttention:
         bs = self.block_size
         indptr, indices, last_lens = [0], [], []
         for table, ctx in zip(block_tables, context_lens):
-            pages = -(-ctx // bs)
+            pages = cdiv(ctx, bs)
             indices.extend(table[:pages])
             indptr.append(indptr[-1] + pages)
             last_lens.append(ctx - (pages - 1) * bs)
@@ -330,7 +331,7 @@ def check_against_reference(backend: DecodeAttentionBackend, reference: DecodeAt
     """‖backend − reference‖ / ‖reference‖ on random caches, contexts of 1..3 blocks + 1."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     context_lens = [1, block_size + 1, 3 * block_size]
-    num_blocks = 1 + sum(-(-c // block_size) for c in context_lens)
+    num_blocks = 1 + sum(cdiv(c, block_size) for c in context_lens)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
     v_cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
@@ -338,7 +339,7 @@ def check_against_reference(backend: DecodeAttentionBackend, reference: DecodeAt
     width = 3
     tables, next_block = [], 1
     for ctx in context_lens:
-        pages = -(-ctx // block_size)
+        pages = cdiv(ctx, block_size)
         tables.append(list(range(next_block, next_block + pages)) + [NULL_BLOCK_ID] * (width - pages))
         next_block += pages
     bt = torch.tensor(tables, dtype=torch.int32, device=device)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.cpu import kernels as cpu_ops
+from scheduler.math_utils import cdiv
 
 if TYPE_CHECKING:
     from workers.attention.graph_decode import DecodeAttention
@@ -115,7 +116,7 @@ SDPA_ROW_ALIGN = 32
 
 def sdpa_rows(rows: int) -> int:
     """rows rounded up to a multiple of SDPA_ROW_ALIGN."""
-    return -(-rows // SDPA_ROW_ALIGN) * SDPA_ROW_ALIGN
+    return cdiv(rows, SDPA_ROW_ALIGN) * SDPA_ROW_ALIGN
 
 
 def _sdpa_layout(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -182,21 +183,17 @@ def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None, soft_cap: float | None = None,
-                    cpu_kernels: bool = False) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] (this step's tokens) -> attention output [T, H * D].
+                    sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (this step's tokens, already written to the cache by the
+    backend: workers/model/backend.py) -> attention output [T, H * D]. Decodes read the cache
+    through the kernel when meta.decode_context_lens is set, prefill chunks when meta.prefill_kernel.
 
     sliding_window: keys more than window - 1 positions behind a query are masked (None: full).
     soft_cap: attention scores capped as cap * tanh(scores / cap) before the softmax (None: not).
-    cpu_kernels: write K/V with the CPU kernel (decodes use it when meta.decode_context_lens is set).
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = num_heads // kv_heads
-    if cpu_kernels:
-        cpu_ops.ops().reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    else:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if meta.gpu_decode is not None:
         # Only the options a layer uses are passed, so kernels without them still serve Llama.
         extras = {name: value for name, value in (("sliding_window", sliding_window),

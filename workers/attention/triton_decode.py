@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from scheduler.math_utils import cdiv
+
 # Aim for at least this many programs per launch before splitting contexts (an H200 has 132
 # SMs; a few programs per SM hide memory latency).
 TARGET_PROGRAMS = 512
@@ -38,7 +40,7 @@ MAX_SPLITS = 32
 def num_kv_splits(batch_size: int, num_kv_heads: int, max_blocks: int) -> int:
     """Splits per request's context: enough programs to fill the GPU, each split >= 8 blocks."""
     programs = batch_size * num_kv_heads
-    wanted = max(1, -(-TARGET_PROGRAMS // programs))
+    wanted = max(1, cdiv(TARGET_PROGRAMS, programs))
     by_length = max(1, max_blocks // MIN_BLOCKS_PER_SPLIT)
     return int(min(wanted, by_length, MAX_SPLITS))
 

@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from scheduler.math_utils import cdiv
+
 logger = logging.getLogger(__name__)
 
 # The x86-64 transparent huge page.
@@ -64,7 +66,7 @@ def carve(layouts: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tens
     offsets, total = [], 0
     for shape, dtype in layouts:
         offsets.append(total)
-        total += -(-math.prod(shape) * dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN
+        total += cdiv(math.prod(shape) * dtype.itemsize, ARENA_ALIGN) * ARENA_ALIGN
     arena = huge_page_bytes(total)
     return [arena[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
             for (shape, dtype), offset in zip(layouts, offsets)]

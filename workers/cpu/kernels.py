@@ -1,95 +1,261 @@
-"""tpserve's CPU kernels (workers/cpu/csrc/cpu_ops.cpp; panel_linear.cpp, skinny_linear.cpp and amx_linear.cpp
-for projections, prefill_attention.cpp, layer_stack.cpp, row_max.cpp for the
-sampler's argmax): built once per machine, then loaded as `torch.ops.tpserve_cpu.*`.
+"""tpserve's CPU kernels (csrc/: cpu_ops.cpp for norms, rotary, SiLU gate, KV write and decode
+attention; panel_linear.cpp, skinny_linear.cpp and amx_linear.cpp for projections;
+prefill_attention.cpp; layer_stack.cpp; row_max.cpp for the sampler's argmax), loaded as
+`torch.ops.tpserve_cpu.*`.
 
 Why our own kernels: a decode step of the default model ran ~6,000 eager torch calls; the norms,
 the rotary embedding, the SiLU gate, the KV write and the decode attention (a gather of every
-request's blocks, padded to the longest context, then SDPA) were about half of a 16-request step
-on this CPU. Each of those is one call here, and decode attention reads the KV blocks in place.
+request's blocks, padded to the longest context, then SDPA) were about half of a 16-request step.
+Each of those is one call here, and decode attention reads the KV blocks in place.
 
-The build uses torch's extension builder (g++, `-O3 -march=native`, OpenMP so the loops run on
-torch's own thread team) into torch's extension cache, keyed by this CPU's flags (and by the
-source, which torch checks); a second process loads the cached library. Where it cannot build
-(no compiler, a read-only cache), `load()` returns False once, logs why, and the model keeps its
-torch path: the kernels are a speed-up, never a requirement.
+How they ship (docs/cpu-kernels.md):
+- One library per instruction-set variant (`VARIANTS`: AMX, AVX-512 + BF16, AVX-512, AVX2, and a
+  portable build), each compiled with fixed `-march` flags, never `-march=native`: a library built
+  on one machine runs on any CPU that has its variant's flags, so an image built on one host
+  serves every node. At load the best variant this CPU's flags allow is picked (cpuid, as Linux
+  reports it in /proc/cpuinfo).
+- Built ahead of time: `make install` builds this machine's variant, the Docker image every x86
+  variant (`python -m workers.cpu.kernels --variants all`). A server start that finds no library
+  builds it once then (and logs that it does), never at a request.
+- Where a library lands: `lib/` beside this file when that folder is writable (a checkout or an
+  image's site-packages), else `$TPSERVE_CACHE/kernels`. Its name carries a hash of the sources,
+  headers, flags and torch version, so a change of any rebuilds it.
+- Builds are serialised by an flock on a file beside the library: the kernel drops the lock of a
+  process that dies, so a crash mid-build leaves no stale lock, and a waiter gives up after
+  `LOCK_TIMEOUT_S` with an error that names the lock file.
+
+`load(mode)` takes the config's `cpu_kernels`: "auto" uses the kernels where they build and logs
+why not otherwise; "on" raises `KernelsUnavailable` instead; "off" never loads them.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
-import shutil
+import platform
+import subprocess
 import sys
+import tempfile
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / name for name in ("cpu_ops.cpp", "prefill_attention.cpp", "skinny_linear.cpp", "panel_linear.cpp",
-                                          "amx_linear.cpp",
-                                          "layer_stack.cpp", "row_max.cpp")]
-# Headers the sources include: torch's builder does not hash them, so extension_name does.
-HEADERS = [_CSRC / "vec.h"]
-# Extension (and library) name prefix; the ops register under torch.ops.tpserve_cpu.
-EXTENSION_NAME = "tpserve_cpu_ops"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("cpu_ops.cpp", "prefill_attention.cpp", "skinny_linear.cpp",
+                                         "panel_linear.cpp", "amx_linear.cpp", "layer_stack.cpp", "row_max.cpp"))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
+# Where `make install` and the image put the libraries (beside the package, git-ignored).
+PACKAGED_LIBRARY_DIR = Path(__file__).parent / "lib"
+# Library name prefix; the ops register under torch.ops.tpserve_cpu.
+LIBRARY_PREFIX = "tpserve_cpu"
 # -fno-math-errno lets the exp/tanh loops vectorize; OpenMP makes at::parallel_for parallel (the
 # process's one libgomp: torch's, already loaded, answers the same soname).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
-# Set to "0" to keep the torch path (for A/B measurements and as an escape hatch).
-ENV_DISABLE = "TPSERVE_CPU_KERNELS"
+COMMON_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-std=c++17")
+# How long a process waits for another's build of the same library before it gives up.
+LOCK_TIMEOUT_S = 900.0
+MODES = ("auto", "on", "off")
+
+_AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"})
+_AVX2 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})
+
+
+@dataclass(frozen=True)
+class IsaVariant:
+    # Short name, part of the library's file name ("avx2", "amx", ...).
+    name: str
+    # Compiler flags that select the instruction set (the sources branch on the macros they define).
+    march: tuple[str, ...]
+    # /proc/cpuinfo flags a CPU must have to run this build.
+    requires: frozenset[str]
+    # The machine architecture (platform.machine()) this variant is built for.
+    machine: str = "x86_64"
+
+
+# Best first: load() takes the first one the CPU can run.
+VARIANTS = (
+    IsaVariant("amx", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mtune=sapphirerapids"),
+               _AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}),
+    IsaVariant("avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16"), _AVX512 | {"avx512_bf16"}),
+    IsaVariant("avx512", ("-march=x86-64-v4",), _AVX512),
+    IsaVariant("avx2", ("-march=x86-64-v3",), _AVX2),
+    IsaVariant("x86_64", ("-march=x86-64",), frozenset()),
+    # Any other machine (Arm, ...): the compiler's default target, the kernels' portable loops.
+    IsaVariant("portable", (), frozenset(), machine="*"),
+)
+
+
+class KernelsUnavailable(RuntimeError):
+    """cpu_kernels: on, and the kernels could not be built or loaded (the message says why)."""
+
 
 _lock = threading.Lock()
-_loaded: bool | None = None
+_loaded: IsaVariant | None = None
+_failure: str | None = None
 
 
-def load() -> bool:
-    """Build or load the kernels once per process; True when torch.ops.tpserve_cpu is usable."""
-    global _loaded
+def load(mode: str = "auto") -> bool:
+    """Load the kernels once per process (building this CPU's variant if it is missing); True
+    when torch.ops.tpserve_cpu is usable. mode: "auto" | "on" | "off" (see the module doc)."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_kernels must be one of {MODES}, not {mode!r}")
+    if mode == "off":
+        return False
+    global _loaded, _failure
     with _lock:
-        if _loaded is None:
-            _loaded = _build_and_load()
-        return _loaded
+        if _loaded is None and _failure is None:
+            try:
+                _loaded = _build_and_load(host_variant())
+                logger.info("tpserve CPU kernels: %s build", _loaded.name)
+            except Exception as exc:  # noqa: BLE001 - reported below, by mode
+                # A compiler's message can run to pages: its end says what failed.
+                _failure = str(exc)[-2000:]
+                if mode == "auto":
+                    logger.warning("tpserve CPU kernels unavailable, using torch ops instead: ...%s", _failure)
+        if _loaded is None and mode == "on":
+            raise KernelsUnavailable(f"cpu_kernels: on, but tpserve's CPU kernels could not load: ...{_failure}")
+        return _loaded is not None
 
 
-def _build_and_load() -> bool:
-    if os.environ.get(ENV_DISABLE, "1") == "0":
-        logger.info("CPU kernels disabled by %s=0", ENV_DISABLE)
-        return False
-    if shutil.which("ninja") is None:
-        # pip's ninja lives beside this interpreter, which a process need not have on its PATH
-        # (`.venv/bin/python -m ...`, a Ray worker).
-        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+def loaded_variant() -> str | None:
+    """The name of the variant this process loaded (None: none)."""
+    return _loaded.name if _loaded is not None else None
+
+
+def ops():
+    """The op namespace (call after load() returned True)."""
+    return torch.ops.tpserve_cpu
+
+
+def host_variant(flags: set[str] | None = None, machine: str | None = None) -> IsaVariant:
+    """The best variant this CPU can run (flags: /proc/cpuinfo's; machine: platform.machine())."""
+    machine = machine or platform.machine()
+    flags = cpu_flags() if flags is None else flags
+    for variant in VARIANTS:
+        if variant.machine in (machine, "*") and variant.requires <= flags:
+            return variant
+    raise AssertionError("the portable variant matches every machine")
+
+
+def variants_for(machine: str | None = None) -> list[IsaVariant]:
+    """Every variant a build for this machine architecture should produce (the image builds all)."""
+    machine = machine or platform.machine()
+    own = [v for v in VARIANTS if v.machine == machine]
+    return own or [v for v in VARIANTS if v.machine == "*"]
+
+
+def library_path(variant: IsaVariant, directory: Path | None = None) -> Path:
+    """Where the library of `variant` lives, named by a hash of everything that goes into it."""
+    key = hashlib.sha1()
+    for path in (*SOURCES, *HEADERS):
+        key.update(path.name.encode())
+        key.update(path.read_bytes())
+    key.update(" ".join((*COMMON_FLAGS, *variant.march)).encode())
+    key.update(torch.__version__.encode())
+    directory = directory or library_dir()
+    return directory / f"{LIBRARY_PREFIX}_{variant.name}_{key.hexdigest()[:12]}.so"
+
+
+def library_dir() -> Path:
+    """lib/ beside this module where it is writable, else $TPSERVE_CACHE/kernels."""
+    beside = PACKAGED_LIBRARY_DIR
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        load_extension(name=extension_name(), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        torch.ops.tpserve_cpu.rms_norm  # the registration ran
-    except Exception as exc:  # noqa: BLE001 - any build or load failure keeps the torch path
-        # A compiler's message can run to pages: its end says what failed.
-        logger.warning("tpserve CPU kernels unavailable, using torch ops instead: ...%s", str(exc)[-2000:])
-        return False
-    return True
+        beside.mkdir(exist_ok=True)
+        if os.access(beside, os.W_OK):
+            return beside
+    except OSError:
+        pass
+    cache = Path(os.environ.get("TPSERVE_CACHE", Path.home() / ".cache" / "tpserve")) / "kernels"
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
 
 
-def extension_name(cpuinfo_path: str = "/proc/cpuinfo") -> str:
-    """The name keyed by this CPU's instruction-set flags: a library built with -march=native
-    must never be loaded on another CPU model (a cache in a home folder shared by the nodes of
-    a cluster), where it could die of an illegal instruction. Also keyed by the headers' content,
-    which torch's own check of the sources does not see."""
-    key = hashlib.sha1(" ".join(sorted(cpu_flags(cpuinfo_path))).encode())
-    for header in HEADERS:
-        key.update(header.read_bytes())
-    return f"{EXTENSION_NAME}_{key.hexdigest()[:10]}"
+def build(variant: IsaVariant, directory: Path | None = None) -> Path:
+    """The library of `variant`, compiled now unless it exists (another process's build of the
+    same library is waited for, up to LOCK_TIMEOUT_S)."""
+    if directory is None:
+        # The image builds into lib/ beside this module; a pod with a read-only root filesystem
+        # still loads it from there (it only builds into the cache when lib/ lacks it).
+        built = library_path(variant, PACKAGED_LIBRARY_DIR)
+        if built.exists():
+            return built
+    target = library_path(variant, directory)
+    if target.exists():
+        return target
+    with build_lock(target.with_suffix(".lock")):
+        if not target.exists():  # the holder we waited for may have built it
+            _compile(variant, target)
+    return target
+
+
+@contextlib.contextmanager
+def build_lock(lock_path: Path, timeout_s: float | None = None):
+    """Hold an exclusive flock on lock_path (released by the kernel if this process dies, so no
+    lock outlives its build); raise TimeoutError after timeout_s (LOCK_TIMEOUT_S) of waiting."""
+    timeout_s = LOCK_TIMEOUT_S if timeout_s is None else timeout_s
+    with open(lock_path, "w") as lock_file:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gave up after {timeout_s:.0f} s waiting for another build of the CPU "
+                                       f"kernels (lock {lock_path})") from None
+                time.sleep(0.2)
+        yield
+
+
+def _compile(variant: IsaVariant, target: Path) -> None:
+    """Compile every source (in parallel, one per core) and link them into `target`, atomically."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "g++")
+    defines = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    includes = [f"-isystem{path}" for path in cpp_extension.include_paths()]
+    lib_dirs = cpp_extension.library_paths()
+    logger.info("building tpserve CPU kernels (%s) into %s", variant.name, target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        def compile_one(source: Path) -> str:
+            obj = str(Path(tmp) / (source.stem + ".o"))
+            _run([cxx, *COMMON_FLAGS, *variant.march, *defines, *includes, "-c", str(source), "-o", obj])
+            return obj
+
+        with ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool:
+            objects = list(pool.map(compile_one, SOURCES))
+        partial = Path(tmp) / target.name
+        _run([cxx, "-shared", "-fopenmp", *objects, *(f"-L{d}" for d in lib_dirs),
+              *(f"-Wl,-rpath,{d}" for d in lib_dirs), "-lc10", "-ltorch_cpu", "-ltorch", "-o", str(partial)])
+        os.replace(partial, target)
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} ... failed ({result.returncode}):\n{result.stderr}")
+
+
+def _build_and_load(variant: IsaVariant) -> IsaVariant:
+    path = build(variant)
+    torch.ops.load_library(str(path))
+    torch.ops.tpserve_cpu.rms_norm  # noqa: B018 - the registration ran
+    return variant
 
 
 def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's instruction-set flags from cpuinfo (empty where it cannot be read)."""
-    return set(cpuinfo_field("flags", cpuinfo_path).split())
+    """The CPU's instruction-set flags from cpuinfo (x86's `flags`, Arm's `Features`; empty where
+    neither can be read)."""
+    return set((cpuinfo_field("flags", cpuinfo_path) or cpuinfo_field("Features", cpuinfo_path)).split())
 
 
 def cpuinfo_field(name: str, cpuinfo_path: str = "/proc/cpuinfo") -> str:
@@ -103,17 +269,19 @@ def cpuinfo_field(name: str, cpuinfo_path: str = "/proc/cpuinfo") -> str:
     return line.split(":", 1)[1].strip() if ":" in line else ""
 
 
-def ops():
-    """The op namespace (call after load() returned True)."""
-    return torch.ops.tpserve_cpu
-
-
-def main() -> None:
-    """`python -m workers.cpu.kernels`: build now (make install does, so the first server start and
-    the first test do not wait for the compiler)."""
+def main(argv: list[str] | None = None) -> None:
+    """`python -m workers.cpu.kernels [--variants host|all]`: build ahead of time (make install
+    builds this machine's variant; the Docker image all of them), then load this CPU's."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--variants", choices=("host", "all"), default="host")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    print("tpserve CPU kernels:", "ready" if load() else "unavailable (torch path)")
+    chosen = variants_for() if args.variants == "all" else [host_variant()]
+    for variant in chosen:
+        print(f"tpserve CPU kernels, {variant.name}: {build(variant)}")
+    load("on")
+    print(f"tpserve CPU kernels: {loaded_variant()} loaded")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

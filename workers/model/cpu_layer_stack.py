@@ -18,30 +18,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from workers.attention.paged import AttentionMetadata
 from workers.cpu import kernels as cpu_ops
 
 
-def unsupported_reason(layers: Sequence[nn.Module], fused_residual: bool, tp_world_size: int) -> str | None:
-    """Why these decoder layers cannot run through the layer stack (None: they can). They must
-    already run the CPU kernels (the model's `use_cpu_kernels`), with their linears prepacked or not.
-    Built from the layers, not the model, so that the model can own a stack without a circle."""
-    if not fused_residual:
-        return "its layers do not take the fused-residual CPU path (sandwich norms, or no CPU kernels)"
+def unsupported_reason(layers: Sequence[nn.Module], backend_name: str, tp_world_size: int) -> str | None:
+    """Why these decoder layers cannot run through the layer stack (None: they can). Built from
+    the layers, not the model, so that the model can own a stack without an import circle."""
+    if backend_name != "cpu_kernels":
+        return "the layers do not run tpserve's CPU kernels"
     if tp_world_size != 1:
         return "tensor parallelism all-reduces between ops from Python"
     first = layers[0].self_attn
     for layer in layers:
         attn = layer.self_attn
-        if not attn.cpu_kernel:
-            return "its attention does not run the CPU kernels"
+        if layer.sandwich:
+            return "sandwich norms (the stack passes the residual the Llama way)"
         if attn.q_norm is not None:
             return "per-head q/k norms"
         if attn.rotary is not first.rotary:
             return "layers with different rotary tables"
-        if not layer.mlp.silu_kernel:
+        if layer.mlp.act is not F.silu:
             return "an MLP activation other than SiLU"
         if attn.scale != first.scale or attn.soft_cap != first.soft_cap:
             return "layers with different softmax scales or soft caps"
@@ -52,8 +52,8 @@ class CpuLayerStack:
     """The flat weight list `layer_stack` reads, built once from a loaded (and prepacked) model,
     and the per-step call."""
 
-    def __init__(self, layers: Sequence[nn.Module], fused_residual: bool, tp_world_size: int) -> None:
-        reason = unsupported_reason(layers, fused_residual, tp_world_size)
+    def __init__(self, layers: Sequence[nn.Module], backend_name: str, tp_world_size: int) -> None:
+        reason = unsupported_reason(layers, backend_name, tp_world_size)
         if reason is not None:
             raise ValueError(f"the CPU layer stack cannot run this model: {reason}")
         ops = cpu_ops.ops()

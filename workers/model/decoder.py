@@ -11,15 +11,13 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
 from workers.attention.paged import AttentionMetadata
-from workers.cpu import kernels as cpu_ops
+from workers.model.backend import TORCH, TorchBackend
 from workers.model.cpu_layer_stack import CpuLayerStack, unsupported_reason
-from workers.model.layers import (DecoderAttention, DecoderLayer, GatedMLP, RMSNorm, forward_fused_residual,
-                                    make_norm)
+from workers.model.layers import DecoderLayer, make_norm
 from workers.model.config import ModelConfig
 from workers.distributed.parallel_state import TPGroup
 from workers.model.rotary import RotaryEmbedding
@@ -39,10 +37,12 @@ _STACKED = {
 
 class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype = torch.float32,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, backend: TorchBackend = TORCH) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
+        # How every layer computes its norms, rotary, activation and attention (chosen at load).
+        self.backend = backend
         positions = max_positions or cfg.max_position_embeddings
         rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         # Gemma 3's sliding layers rotate with their own base and no scaling.
@@ -52,18 +52,17 @@ class DecoderForCausalLM(nn.Module):
         layers = []
         for i in range(cfg.num_hidden_layers):
             window = cfg.sliding_window_of(i)
-            layers.append(DecoderLayer(cfg, tp, local_rotary if window is not None else rotary, dtype, window))
+            layers.append(DecoderLayer(cfg, tp, local_rotary if window is not None else rotary, dtype, window,
+                                       backend))
         self.layers = nn.ModuleList(layers)
-        self.norm = make_norm(cfg, cfg.hidden_size, dtype)
+        self.norm = make_norm(cfg, cfg.hidden_size, dtype, backend)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Gemma scales embeddings by sqrt(hidden) rounded to the model dtype, as HF does.
         self.embedding_multiplier = (None if cfg.embedding_multiplier is None
                                      else float(torch.tensor(cfg.embedding_multiplier, dtype=dtype)))
-        # Llama-style layers pass the residual apart through the CPU kernels (use_cpu_kernels).
-        self.fused_residual = False
-        # The layer loop as one call into the CPU kernels (use_cpu_layer_stack); None: Python.
+        # The layer loop as one call into the CPU kernels (build_layer_stack); None: Python.
         self.layer_stack: CpuLayerStack | None = None
 
     @property
@@ -77,38 +76,23 @@ class DecoderForCausalLM(nn.Module):
             x = x * self.embedding_multiplier
         if self.layer_stack is not None and self.layer_stack.accepts(meta):
             x, residual = self.layer_stack(x, positions, kv_caches, meta)
-            return cpu_ops.ops().add_rms_norm(residual, x, self.norm.weight, self.norm.eps, self.norm.offset)[1]
-        if self.fused_residual:
+        else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = forward_fused_residual(layer, positions, x, residual, kv_cache, meta)
-            return cpu_ops.ops().add_rms_norm(residual, x, self.norm.weight, self.norm.eps, self.norm.offset)[1]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+                x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm.add_and_norm(x, residual)[0]
 
-    def use_cpu_kernels(self) -> None:
-        """Route the norms, rotary embedding, SiLU gate, KV write and decode attention through
-        tpserve's CPU kernels (the caller has checked `cpu_ops.load()`). The model runner must
-        then give decodes context lengths instead of a mask (`ModelRunner(cpu_kernels=True)`)."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.cpu_kernel = True
-            elif isinstance(module, DecoderAttention):
-                module.cpu_kernel = True
-            elif isinstance(module, GatedMLP):
-                module.silu_kernel = module.act is F.silu
-        self.fused_residual = not self.cfg.sandwich_norms
-
-    def use_cpu_layer_stack(self) -> bool:
-        """Run the layer loop as one call into the CPU kernels where this model allows it (after
-        use_cpu_kernels and any prepacking: the stack keeps the weights it finds now). Returns
-        whether it does; why not is logged."""
-        reason = unsupported_reason(self.layers, self.fused_residual, self.tp.world_size)
+    def build_layer_stack(self) -> bool:
+        """Run the layer loop as one call into the CPU kernels where the backend asks for it and
+        this model allows it (after any prepacking: the stack keeps the weights it finds now).
+        Returns whether it does; why not is logged."""
+        if not self.backend.layer_stack:
+            return False
+        reason = unsupported_reason(self.layers, self.backend.name, self.tp.world_size)
         if reason is not None:
             logger.info("CPU layer stack off: %s", reason)
             return False
-        self.layer_stack = CpuLayerStack(self.layers, self.fused_residual, self.tp.world_size)
+        self.layer_stack = CpuLayerStack(self.layers, self.backend.name, self.tp.world_size)
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -165,7 +149,7 @@ class DecoderForCausalLM(nn.Module):
 
 
 def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype = torch.float32,
-                max_positions: int | None = None) -> DecoderForCausalLM:
+                max_positions: int | None = None, backend: TorchBackend = TORCH) -> DecoderForCausalLM:
     """The model for cfg.architecture (every supported family is the one decoder with its options)."""
-    logger.info("building %s", cfg.describe())
-    return DecoderForCausalLM(cfg, tp, dtype, max_positions)
+    logger.info("building %s with the %s backend", cfg.describe(), backend.name)
+    return DecoderForCausalLM(cfg, tp, dtype, max_positions, backend)

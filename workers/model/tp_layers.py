@@ -16,10 +16,7 @@ from torch import nn
 
 from workers.cpu.linear import linear
 from workers.distributed.parallel_state import TPGroup
-
-
-def _shape(loaded: Any) -> list[int]:
-    return list(loaded.get_shape()) if hasattr(loaded, "get_shape") else list(loaded.shape)
+from scheduler.math_utils import cdiv
 
 
 def _as_tensor(loaded: Any) -> torch.Tensor:
@@ -145,7 +142,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.local_vocab = -(-vocab_size // tp.world_size)
+        self.local_vocab = cdiv(vocab_size, tp.world_size)
         self.vocab_start = tp.rank * self.local_vocab
         self.vocab_end = min(self.vocab_start + self.local_vocab, vocab_size)
         self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden_size, dtype=dtype), requires_grad=False)

@@ -42,6 +42,7 @@ import torch
 from workers.attention.paged import AttentionMetadata
 from workers.runner.decode_inputs import DecodeBatch, DecodeInputBuffers, pad_decode_batch
 from workers.attention.graph_decode import DecodeAttention, DecodeAttentionBackend
+from scheduler.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class CudaGraphRunner:
         self.capture_sizes = sorted(capture_sizes)
         self.backend = backend
         self.device = device
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = cdiv(max_model_len, block_size)
         self.block_buckets = backend.block_buckets(self.max_blocks)
         # One set of buffers for graphs and eager steps alike, as many rows as a step can have.
         max_batch = max(self.capture_sizes[-1] if self.capture_sizes else 1, max_num_seqs)

@@ -8,6 +8,7 @@ import torch
 
 from workers.cpu import huge_pages
 from workers.model.config import ModelConfig
+from scheduler.math_utils import cdiv
 
 GiB = 1 << 30
 
@@ -99,7 +100,7 @@ def gpu_kv_budget(profile: MemoryProfile, gpu_memory_utilization: float) -> tupl
 
 def check_room_for_one_request(num_blocks: int, block_size: int, max_model_len: int, budget_note: str) -> None:
     """Refuse to start when the cache cannot hold one full-length request (plus the null block)."""
-    needed = -(-max_model_len // block_size) + 1
+    needed = cdiv(max_model_len, block_size) + 1
     if num_blocks < needed:
         raise KVCacheTooSmallError(
             f"the KV cache has room for {num_blocks} blocks of {block_size} tokens, but one request of "

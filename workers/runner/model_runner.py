@@ -21,10 +21,12 @@ from workers.attention.paged import AttentionMetadata, PrefillChunk
 from workers.runner.cuda_graph import CudaGraphRunner, is_decode_only
 from workers.runner.decode_inputs import DecodeBatch, decode_mask, make_decode_batch, padded_block_tables, slot_of
 from workers.runner.input_batch import CachedRequestState, RequestStates
+from workers.model.backend import TORCH, TorchBackend
 from workers.model.decoder import DecoderForCausalLM
 from workers.runner.prompt_logprobs import compute_prompt_logprobs, mark_scored, plan_prompt_logprobs
 from workers.sampling.sampler import sample
 from workers.sampling.row import SamplingRow
+from scheduler.math_utils import cdiv
 
 
 @dataclass
@@ -42,8 +44,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, stop_ids: tuple[int, ...],
-                 graph_runner: CudaGraphRunner | None = None, cpu_kernels: bool = False,
-                 cpu_prefill_attention: bool = False) -> None:
+                 graph_runner: CudaGraphRunner | None = None, backend: TorchBackend = TORCH) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -54,11 +55,10 @@ class ModelRunner:
         self.is_first_rank = model.tp.is_first_rank
         # Decode-only steps on GPU (None on CPU).
         self.graph_runner = graph_runner
-        # The model runs tpserve's CPU kernels: decodes get context lengths, not a mask.
-        self.cpu_kernels = cpu_kernels
-        # Prefill chunks go through the CPU kernels' paged prefill attention (one call per layer
-        # for all chunks, the KV cache read in place) instead of a gather + SDPA per chunk.
-        self.cpu_prefill_attention = cpu_prefill_attention
+        # The model's backend (workers/model/backend.py): with the CPU kernels decodes get context
+        # lengths instead of a mask, prefill chunks a chunk table (the prefill kernel reads it, or
+        # the layer stack's SDPA), and the sampler takes the kernels' argmax.
+        self.backend = backend
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -114,7 +114,7 @@ class ModelRunner:
         if decodes:
             width = batch.max_num_blocks
             decode_tables = torch.tensor(padded_block_tables(batch.block_tables, width), device=self.device)
-            if self.cpu_kernels:
+            if self.backend.decode_context_lens:
                 decode_context_lens = torch.tensor(batch.context_lens, dtype=torch.int32)
             else:
                 decode_context_mask = decode_mask(torch.tensor(batch.context_lens, device=self.device), width * bs)
@@ -128,15 +128,15 @@ class ModelRunner:
             if state.num_computed_tokens > 0:
                 q_pos = torch.arange(state.num_computed_tokens, context_len, device=self.device)
                 mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
-            table = torch.tensor(state.block_ids[: -(-context_len // bs)], dtype=torch.long, device=self.device)
+            table = torch.tensor(state.block_ids[: cdiv(context_len, bs)], dtype=torch.long, device=self.device)
             chunks.append(PrefillChunk(query_start, num, context_len, table, mask))
         prefill_info = prefill_tables = None
         # The chunk table goes with the CPU kernels in either case: the prefill kernel reads it,
         # and the CPU layer stack runs a step only with it (SDPA per chunk from C++ otherwise).
-        if chunks and self.cpu_kernels:
+        if chunks and self.backend.prefill_chunk_table:
             prefill_info = torch.tensor([[c.query_start, c.query_len, c.context_len] for c in chunks],
                                         dtype=torch.int32)
-            rows = [state.block_ids[: -(-c.context_len // bs)] for (state, _), c in zip(prefills, chunks)]
+            rows = [state.block_ids[: cdiv(c.context_len, bs)] for (state, _), c in zip(prefills, chunks)]
             prefill_tables = torch.tensor(padded_block_tables(rows, max(len(r) for r in rows)), dtype=torch.int32)
 
         meta = AttentionMetadata(
@@ -148,7 +148,7 @@ class ModelRunner:
             decode_context_lens=decode_context_lens,
             prefill_chunk_info=prefill_info,
             prefill_block_tables=prefill_tables,
-            prefill_kernel=self.cpu_prefill_attention,
+            prefill_kernel=self.backend.prefill_attention,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -185,7 +185,7 @@ class ModelRunner:
             batch.slots.extend(slot_of(blocks, pos, bs) for pos in range(start, end))
             # Every row of the chunk shares one table, the chunk's: a row reads only the blocks of
             # its context_len, and one list object lets fill() write it once for all the rows.
-            table = blocks[: -(-end // bs)]
+            table = blocks[: cdiv(end, bs)]
             batch.block_tables.extend([table] * num)
             batch.context_lens.extend(range(start + 1, end + 1))
             if end == len(state.token_ids):
@@ -226,7 +226,7 @@ class ModelRunner:
                 generator=state.generator,
                 allowed_token_bitmask=bitmasks.get(req_id),
             ))
-        sampled = sample(logits.float(), rows, self.cpu_kernels)
+        sampled = sample(logits.float(), rows, self.backend.row_max)
         result = ModelRunnerOutput()
         for n, ((req_id, _), token_id, lp) in enumerate(zip(samplers, sampled.token_ids, sampled.logprobs)):
             if token_id is None:

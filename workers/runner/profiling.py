@@ -16,6 +16,7 @@ from workers.attention.paged import AttentionMetadata, PrefillChunk
 from workers.runner.cuda_graph import capture_stream, graph_capture_sizes
 from workers.attention.graph_decode import DecodeAttention, make_decode_backend
 from workers.runner.kv_cache import MemoryProfile
+from scheduler.math_utils import cdiv
 
 # Prefill chunk profiled at most (tokens).
 MAX_PROFILED_PREFILL = 8192
@@ -45,7 +46,7 @@ def _peak_of(device: torch.device, run) -> int:
 def _prefill(model, device: torch.device, config) -> None:
     num_tokens = min(config.max_model_len, MAX_PROFILED_PREFILL)
     bs = config.block_size
-    num_blocks = -(-num_tokens // bs) + 1
+    num_blocks = cdiv(num_tokens, bs) + 1
     scratch = _scratch_cache(model, num_blocks, bs, config.dtype, device)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(bs, bs + num_tokens, device=device), num_decodes=0, decode_block_tables=None,
@@ -62,7 +63,7 @@ def _widest_decode_and_sampler(model, device: torch.device, config) -> None:
     contexts whose tables point at the null block only (the kernels read as much as for real
     contexts; the scratch cache needs one block), then the sampler at max_num_seqs rows."""
     bs = config.block_size
-    width = -(-config.max_model_len // bs)
+    width = cdiv(config.max_model_len, bs)
     attn = model.layers[0].self_attn
     backend = make_decode_backend(config.decode_attention, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                                   head_dim=attn.head_dim, block_size=bs, dtype=config.dtype, device=device)

@@ -1,0 +1,142 @@
+"""How a rank computes the model's elementwise ops and attention, chosen once at load.
+
+As vLLM's `CustomOp` picks `forward_native` or `forward_cpu` once per op, a rank picks one backend
+object before it builds the model, and every layer holds it: no flags on modules, no booleans
+threaded through calls, no environment switches.
+
+- `TorchBackend`: torch ops only (GPU, and CPU with `cpu_kernels: off` or where the kernels cannot
+  load). Decodes attend through a mask, prefill chunks through SDPA.
+- `CpuKernelBackend`: tpserve's C++ kernels (workers/cpu/kernels.py) for the norms (fused with the
+  residual add), the rotary embedding, SiLU-and-multiply, the KV write, paged decode attention
+  (the runner gives decodes context lengths instead of a mask), optionally the flash prefill
+  attention, the sampler's argmax, and the C++ layer loop where the model allows it.
+
+Both give the same roundings: the residual stream is added in the model dtype, then normed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from workers.attention.paged import AttentionMetadata, paged_attention, write_kv
+from workers.cpu import kernels
+from workers.sampling.sampler import torch_row_max
+
+logger = logging.getLogger(__name__)
+
+
+class TorchBackend:
+    """Torch ops for every device (forward_native)."""
+
+    name = "torch"
+    # Decodes get context lengths (the decode kernel reads blocks in place) instead of a mask.
+    decode_context_lens = False
+    # Prefill chunks come with an int32 chunk table (the prefill kernel and the layer stack read it).
+    prefill_chunk_table = False
+    # Prefill chunks go through the kernels' flash attention over the paged cache.
+    prefill_attention = False
+    # The decoder's layer loop may run as one C++ call (workers/model/cpu_layer_stack.py).
+    layer_stack = False
+
+    def rms_norm(self, norm, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) * (offset + w): Llama's (offset 0) in the input dtype, Gemma's (offset 1) in
+        float32 before the cast back, as HF computes them."""
+        if not norm.offset:
+            return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+        scaled = F.rms_norm(x.float(), (x.shape[-1],), None, norm.eps) * (norm.offset + norm.weight.float())
+        return scaled.to(x.dtype)
+
+    def add_rms_norm(self, norm, residual: torch.Tensor | None, x: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), the sum in the model dtype (vLLM's residual passing);
+        residual None: x starts the stream (the embedding)."""
+        residual = x if residual is None else residual + x
+        return self.rms_norm(norm, residual), residual
+
+    def rotary(self, rotary, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(positions, q, k)
+
+    def act_and_mul(self, act, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up for the gate-up projection's [.., 2 * I] output."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                  soft_cap: float | None = None) -> torch.Tensor:
+        """Write this step's K/V into the paged cache, then attend (workers/attention/paged.py):
+        q [T, H, D], k/v [T, KVH, D] -> [T, H * D]."""
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, soft_cap)
+
+    def row_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's max and its first index (the sampler's argmax)."""
+        return torch_row_max(x)
+
+
+class CpuKernelBackend(TorchBackend):
+    """tpserve's C++ kernels on CPU (forward_cpu); what they do not take falls back to torch."""
+
+    name = "cpu_kernels"
+    decode_context_lens = True
+    prefill_chunk_table = True
+
+    def __init__(self, prefill_attention: bool, layer_stack: bool) -> None:
+        self.prefill_attention = prefill_attention
+        self.layer_stack = layer_stack
+        self._ops = kernels.ops()
+
+    def rms_norm(self, norm, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # per-head q/k norms: [T, H, D]
+            return super().rms_norm(norm, x)
+        return self._ops.rms_norm(x, norm.weight, norm.eps, norm.offset)
+
+    def add_rms_norm(self, norm, residual, x):
+        if residual is None:
+            return self.rms_norm(norm, x), x
+        residual, normed = self._ops.add_rms_norm(residual, x, norm.weight, norm.eps, norm.offset)
+        return normed, residual
+
+    def rotary(self, rotary, positions, q, k):
+        # In place on the layer's fresh qkv buffer (or on the q/k norms' outputs).
+        self._ops.rotary_(q, k, positions, rotary.cos, rotary.sin)
+        return q, k
+
+    def act_and_mul(self, act, gate_up):
+        if act is not F.silu:
+            return super().act_and_mul(act, gate_up)
+        return self._ops.silu_and_mul(gate_up)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self._ops.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def row_max(self, x):
+        # The kernel's row_max: the same values and indices, 5x faster again (64 rows: 3.2 -> 0.64
+        # ms on a 2-core Xeon; csrc/row_max.cpp).
+        if x.dtype == torch.float32 and x.dim() == 2 and x.size(1) > 0:
+            return self._ops.row_max(x)
+        return super().row_max(x)
+
+
+TORCH = TorchBackend()
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, cpu_kernels: str = "auto",
+                   prefill_attention: bool = True, layer_stack: bool = True) -> TorchBackend:
+    """The backend of a rank on `device`, decided once. cpu_kernels: the config's auto | on | off
+    (on raises kernels.KernelsUnavailable where they cannot load). prefill_attention: float32
+    only, where the kernel was measured (1.5-3x SDPA on a 2-core AMD EPYC); bf16 keeps SDPA,
+    whose bf16 path (AMX tiles on a Xeon) the float32-computing kernel was not measured against."""
+    if device.type != "cpu":
+        return TORCH
+    if not kernels.load(cpu_kernels):
+        return TORCH
+    return CpuKernelBackend(prefill_attention=prefill_attention and dtype == torch.float32, layer_stack=layer_stack)
