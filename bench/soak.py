@@ -9,7 +9,9 @@ then sends `--requests` requests, `--concurrency` at a time, drawn from this mix
   bad        a body the server must refuse (4xx): out-of-range numbers, ids beyond the vocabulary,
              NaN, deep nesting, too many stops, a prompt that fills the context, garbage bytes
 
-and checks, at the end: no 5xx; the engine idle with 0 used KV blocks; the same replica actor
+With `--router kv_aware` the same traffic goes through the KV-aware routing ingress
+(deployments/routing/), which then meets every hostile body first (`make soak SOAK_ARGS="--router
+kv_aware"`). Checks, at the end: no 5xx; the engine idle with 0 used KV blocks; the same replica actor
 (no restart) and healthy; replica RSS at the end within 10% of its RSS after warm-up. Prints one
 JSON object with the figures; exits 1 when a check fails.
 
@@ -208,21 +210,23 @@ def draw_kinds(n: int, seed: int) -> list[str]:
     return rng.choices(names, weights=weights, k=n)
 
 
-def start_serve(port: int, num_cpus: int) -> tuple[str, Any]:
+def start_serve(port: int, num_cpus: int, router: str) -> tuple[str, Any]:
+    """Serve the soak app; returns its URL and a handle of the engine deployment (whichever
+    deployment is the ingress)."""
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import DEPLOYMENT_NAME, build_app
 
     # "local": always a fresh Ray of our own, never one someone else runs on this machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    handle = serve.run(build_app(SOAK_CONFIG), name=APP_NAME, route_prefix="/")
-    return f"http://127.0.0.1:{port}", handle
+    serve.run(build_app({**SOAK_CONFIG, "request_router": router}), name=APP_NAME, route_prefix="/")
+    return f"http://127.0.0.1:{port}", serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
 
 
-def run(requests: int, concurrency: int, seed: int, num_cpus: int) -> dict[str, Any]:
-    base_url, handle = start_serve(free_port(), num_cpus)
+def run(requests: int, concurrency: int, seed: int, num_cpus: int, router: str = "serve_default") -> dict[str, Any]:
+    base_url, handle = start_serve(free_port(), num_cpus, router)
     kinds = draw_kinds(requests, seed)
     warm = max(1, int(len(kinds) * WARMUP_FRACTION))
     tally = Tally()
@@ -237,7 +241,7 @@ def run(requests: int, concurrency: int, seed: int, num_cpus: int) -> dict[str, 
     rss_end = rss_bytes(replica["pid"])
     healthy = httpx.get(f"{base_url}/health", timeout=30).status_code == 200
     return {
-        "requests": requests, "concurrency": concurrency, "seconds": round(time.monotonic() - started, 1),
+        "requests": requests, "concurrency": concurrency, "router": router, "seconds": round(time.monotonic() - started, 1),
         "kinds": dict(tally.kinds), "statuses": dict(sorted(tally.statuses.items())),
         "num_5xx": sum(v for k, v in tally.statuses.items() if k.rsplit(":", 1)[1].startswith("5")),
         "server_errors": tally.server_errors, "inband_errors": tally.inband_errors[:5],
@@ -274,13 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray")
+    parser.add_argument("--router", choices=("serve_default", "kv_aware"), default="serve_default",
+                        help="kv_aware: through the KV-aware routing ingress (its body limits, its relay)")
     args = parser.parse_args(argv)
     requests = min(max(args.requests, 10), 20_000)
     import ray
     from ray import serve
 
     try:
-        report = run(requests, args.concurrency, args.seed, args.num_cpus)
+        report = run(requests, args.concurrency, args.seed, args.num_cpus, args.router)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -44,6 +44,9 @@ def deployment_options(config: TpserveConfig) -> dict[str, Any]:
     own CPU merged into bundle 0); everything about where a replica runs belongs here.
     """
     options: dict[str, Any] = {"max_ongoing_requests": config.max_ongoing_requests}
+    # Bounded queue in front of full replicas: beyond it Serve refuses at once (503 +
+    # Retry-After) instead of holding requests without a deadline (docs/security.md).
+    options.update(backpressure_options(config))
     options.update(placement_options(config))
     if config.autoscaling_config is not None:
         # Serve autoscaling on ongoing requests; num_replicas must then be left unset (or "auto").
@@ -53,6 +56,18 @@ def deployment_options(config: TpserveConfig) -> dict[str, Any]:
     # Spread over nodes, KV-aware router, engine-load autoscaling (deployments/scale_out.py).
     options.update(scale_out_options(config))
     return options
+
+
+def backpressure_options(config: TpserveConfig) -> dict[str, Any]:
+    """Serve's queue bound and what its refusals say: 503 with the engine's Retry-After (Serve
+    2.58's HTTP proxy answers them itself, with a plain-text body; behind the routing ingress
+    they become the engine's OpenAI 503)."""
+    from ray.serve.config import BackpressureConfig
+
+    from deployments.http.errors import OVERLOAD_RETRY_AFTER_S
+
+    return {"max_queued_requests": config.max_queued_requests,
+            "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=OVERLOAD_RETRY_AFTER_S)}
 
 
 def placement_options(config: TpserveConfig) -> dict[str, Any]:
@@ -115,7 +130,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         # A thin ingress reads prompts and routes to engine replicas (deployments/routing/).
         from deployments.routing.front import RoutingIngress, routing_ingress_options
 
-        return RoutingIngress.options(**routing_ingress_options(config)).bind(engine_app)
+        return RoutingIngress.options(**routing_ingress_options(config)).bind(engine_app, config)
     return engine_app
 
 

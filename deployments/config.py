@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
     """A bad application config, with a message that names the offending field(s)."""
+
+
+# Requests a replica admits beyond what its engine can hold (max_num_seqs + max_waiting_requests):
+# those being parsed and tokenized, those the engine is about to refuse with its own 503, and
+# routes outside the engine (models, tokenize, metrics, timelines).
+ONGOING_HEADROOM = 64
 
 
 class TpserveConfig(BaseModel):
@@ -61,14 +67,20 @@ class TpserveConfig(BaseModel):
     # GPUs if the cluster has any when the app is built. A cluster whose GPU nodes are added on
     # demand (KubeRay autoscaling) has none at that moment: set "gpu" there.
     accelerator: Literal["auto", "gpu", "cpu"] = "auto"
-    # Requests allowed to wait before new ones get 503 + Retry-After.
-    max_waiting_requests: int = Field(default=1024, gt=0)
+    # Requests allowed to wait in the engine before new ones get the engine's 503 + Retry-After
+    # (docs/security.md "Backpressure"): 2 x max_num_seqs at the defaults, so a request that
+    # gets in starts within about two generations' time instead of queueing without bound.
+    max_waiting_requests: int = Field(default=128, gt=0)
     # Fixed replica count (ignored when autoscaling_config is set).
     num_replicas: int = Field(default=1, gt=0)
     # Ray Serve autoscaling config (min_replicas, max_replicas, target_ongoing_requests, ...).
     autoscaling_config: dict[str, Any] | None = None
-    # Ray Serve's cap on concurrent requests per replica.
-    max_ongoing_requests: int = Field(default=256, gt=0)
+    # Ray Serve's cap on concurrent requests per replica; None = max_num_seqs +
+    # max_waiting_requests + ONGOING_HEADROOM (256 at the defaults). It must exceed
+    # max_num_seqs + max_waiting_requests: Serve then lets in every request the engine could hold,
+    # and the engine's own OpenAI 503 answers overload before Serve's queue fills (below that,
+    # max_waiting_requests could never be reached). Always an int after validation.
+    max_ongoing_requests: int | None = Field(default=None, gt=0)
     # ---- scale-out (issue 14; deployments/scale_out.py turns these into Serve options) ----
     # Most replicas Serve places on one Ray node (None = no limit); 1 spreads replicas over nodes.
     max_replicas_per_node: int | None = Field(default=None, gt=0)
@@ -81,6 +93,13 @@ class TpserveConfig(BaseModel):
     # Ray resources the routing ingress (kv_aware) asks for, e.g. {"head_node": 0.01} to keep it
     # beside the HTTP proxy on a node that is not scaled away; None = anywhere.
     routing_ingress_resources: dict[str, float] | None = None
+    # Replicas of the routing ingress (kv_aware): every token of every engine passes through
+    # one of them, so a busy deployment runs several (each on its own event loop and process).
+    # Ignored when routing_ingress_autoscaling_config is set.
+    routing_ingress_replicas: int = Field(default=1, gt=0)
+    # Ray Serve autoscaling config of the routing ingress (min_replicas, max_replicas,
+    # target_ongoing_requests, ...); None = a fixed routing_ingress_replicas.
+    routing_ingress_autoscaling_config: dict[str, Any] | None = None
     # Attach per-request `metrics` to every response (clients may also ask per request).
     request_metrics: bool = False
     # How many finished requests keep their timeline for GET /v1/requests/{id}/timeline.
@@ -95,10 +114,12 @@ class TpserveConfig(BaseModel):
     # CPU: prepack linear weights for oneDNN once after loading (about 1.5x faster projections,
     # bf16 bit-identical results; workers/cpu/linear.py). Off = plain F.linear.
     cpu_prepack_linear: bool = True
-    # CPU: tpserve's own kernels (workers/cpu/kernels.py, built once per machine with the system's
-    # g++) for the norms, rotary embedding, SiLU gate, KV write and a paged decode attention that
-    # reads KV blocks in place. Where they cannot build, the torch ops run instead. Off = torch ops.
-    cpu_kernels: bool = True
+    # CPU: tpserve's own kernels (workers/cpu/kernels.py, built by `make install` / the image, one
+    # library per instruction set, picked at start by cpuid) for the norms, rotary embedding, SiLU
+    # gate, KV write, decode and prefill attention, projections and argmax. "auto": used where they
+    # load, else torch ops with a warning; "on": the server refuses to start without them; "off":
+    # torch ops. (true/false still read as auto/off.)
+    cpu_kernels: Literal["auto", "on", "off"] = "auto"
     # CPU: projections run tpserve's own kernels on a copy of each weight laid out for them:
     # float32 batches panel_linear (for as many rows as it was timed faster than oneDNN at load;
     # on a Zen 3 EPYC every batch: 1.5-1.7x oneDNN's speed at 1-16 rows, 1.17x at 512-2048),
@@ -162,12 +183,16 @@ class TpserveConfig(BaseModel):
     # Default seconds a request may take end to end before it is aborted (its KV freed); a
     # request may ask for less with its own `request_timeout_s` field. None = no deadline.
     request_timeout_s: float | None = Field(default=None, gt=0)
-    # Requests Ray Serve queues per replica beyond max_ongoing_requests before it refuses new
-    # ones (503); bounded so that excess load is refused instead of waiting without limit.
+    # Requests Ray Serve queues (per caller: each HTTP proxy, each routing-ingress replica) while
+    # every replica is at max_ongoing_requests, before it refuses new ones with 503 +
+    # Retry-After; bounded so that excess load is refused instead of waiting without limit.
+    # 0 = refuse as soon as every replica is full.
     max_queued_requests: int = Field(default=64, ge=0)
     # HTTP header whose value (an API key, a tenant id) salts the prefix cache of the request, so
-    # that requests of different tenants never share cached prefixes; None = one shared cache.
-    cache_salt_header: str | None = None
+    # that requests of different tenants never share cached prefixes; None = one shared cache
+    # (docs/security.md "Tenant isolation"). Matched case-insensitively.
+    cache_salt_header: str | None = Field(default=None, min_length=1, max_length=128,
+                                          pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$")
 
     # ---- integrations (off by default) ----
     # KV-cache events in vLLM's schema over ZMQ, for prefix-aware routers (None = off). Keys:
@@ -175,10 +200,30 @@ class TpserveConfig(BaseModel):
     # buffer_steps (how many step batches replay can serve).
     kv_events: dict[str, Any] | None = None
 
+    @field_validator("cpu_kernels", mode="before")
+    @classmethod
+    def _cpu_kernels_from_bool(cls, value: Any) -> Any:
+        # Configs written when this field was a boolean keep their meaning.
+        return {True: "auto", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
     @model_validator(mode="after")
     def _check_budgets(self) -> "TpserveConfig":
         if self.max_model_len is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        return self
+
+    @model_validator(mode="after")
+    def _resolve_backpressure(self) -> "TpserveConfig":
+        engine_room = self.max_num_seqs + self.max_waiting_requests
+        if self.max_ongoing_requests is None:
+            self.max_ongoing_requests = engine_room + ONGOING_HEADROOM
+        elif self.max_ongoing_requests <= engine_room:
+            raise ValueError(
+                f"max_ongoing_requests ({self.max_ongoing_requests}) must exceed max_num_seqs + "
+                f"max_waiting_requests ({self.max_num_seqs} + {self.max_waiting_requests} = {engine_room}): "
+                "otherwise Serve queues the excess and the engine's 503 for a full max_waiting_requests "
+                "never comes; raise max_ongoing_requests or leave it unset (derived)"
+            )
         return self
 
     @classmethod

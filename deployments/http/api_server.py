@@ -26,10 +26,10 @@ from deployments.http.body import parse_body
 from deployments.http.errors import APIError, install_error_handlers, model_not_found, not_found
 from deployments.http.health import HealthMonitor
 from deployments.http.prompts import PromptTokenizer
-from deployments.http.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from deployments.http.serving_chat import ChatServing
 from deployments.http.serving_completions import CompletionServing
-from deployments.http.serving_common import created_ts
+from deployments.http.serving_common import created_ts, request_deadline_s, tenant_cache_salt, within_deadline
 from deployments.http.tokenize import add_tokenize_routes
 from deployments.http.validation import RequestLimits
 from metrics.events import now
@@ -76,15 +76,25 @@ def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
     app.state.health = health
     install_error_handlers(app)
     limits = RequestLimits.from_config(config)
-    add_openai_routes(app, engine, limits, pool)
+    add_openai_routes(app, engine, limits, pool, config)
     add_tokenize_routes(app, engine, limits, pool, vocab_size_of(engine))
     add_model_routes(app, engine)
     add_operations_routes(app, engine, health)
     return app
 
 
-def add_openai_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: concurrent.futures.Executor) -> None:
-    """POST /v1/completions and /v1/chat/completions: bodies parsed and prompts tokenized on `pool`."""
+def apply_tenant_salt(body: SamplingRequest, request: Request, salt_header: str | None) -> None:
+    """With `cache_salt_header` on, the request's prefix-cache salt is its tenant's (combined
+    with the client's own cache_salt): tenants never share cached prefixes (docs/security.md)."""
+    if salt_header is not None:
+        body.cache_salt = tenant_cache_salt(request.headers.get(salt_header), body.cache_salt)
+
+
+def add_openai_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: concurrent.futures.Executor,
+                      config: TpserveConfig | None = None) -> None:
+    """POST /v1/completions and /v1/chat/completions: bodies parsed and prompts tokenized on `pool`;
+    each response bounded by its deadline, its prefix cache salted by tenant when configured."""
+    config = config or TpserveConfig()
     prompts = PromptTokenizer(engine.tokenizer, pool)
     vocab_size = vocab_size_of(engine)
     completions = CompletionServing(engine, limits, prompts, vocab_size)
@@ -95,7 +105,9 @@ def add_openai_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: co
         # ARRIVED: before the body is read and tokenized (TTFT and e2e start here).
         arrival_ts = now()
         body = await parse_body(request, CompletionRequest, limits.max_request_body_bytes, limits.max_json_depth, pool)
-        return await completions.create(body, arrival_ts)
+        apply_tenant_salt(body, request, config.cache_salt_header)
+        deadline_s = request_deadline_s(config.request_timeout_s, body.request_timeout_s)
+        return await within_deadline(completions.create(body, arrival_ts), deadline_s, now() - arrival_ts)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
@@ -103,7 +115,9 @@ def add_openai_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: co
         body = await parse_body(
             request, ChatCompletionRequest, limits.max_request_body_bytes, limits.max_json_depth, pool
         )
-        return await chat.create(body, arrival_ts)
+        apply_tenant_salt(body, request, config.cache_salt_header)
+        deadline_s = request_deadline_s(config.request_timeout_s, body.request_timeout_s)
+        return await within_deadline(chat.create(body, arrival_ts), deadline_s, now() - arrival_ts)
 
 
 def add_model_routes(app: FastAPI, engine: Any) -> None:

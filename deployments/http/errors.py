@@ -8,9 +8,13 @@ and no body carries a stack trace:
 | malformed JSON, validation, unsupported value,    | 400    | invalid_request_error |
 | prompt + max_tokens over max_model_len            |        |   (AdmissionError:    |
 |   or the KV cache (context_length_exceeded)       |        |    its param + code)  |
-| body over max_request_body_bytes                  | 413    | invalid_request_error |
+| body over max_request_body_bytes (+ Connection:   | 413    | invalid_request_error |
+|   close when not drained: http/body.py)           |        |                       |
 | unknown model / route / request id                | 404    | invalid_request_error |
-| waiting queue full (EngineOverloadedError)        | 503    | server_error          |
+| past its deadline (request_timeout_s; in-band     | 408    | invalid_request_error |
+|   once streaming)                                 |        |                       |
+| waiting queue full (EngineOverloadedError), or    | 503    | server_error          |
+|   Serve's queue full behind the routing ingress   |        |                       |
 |   (+ Retry-After), engine dead (EngineDeadError)  |        |                       |
 | anything else                                     | 500    | server_error          |
 

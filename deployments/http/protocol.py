@@ -32,6 +32,8 @@ MAX_INT32 = 2**31 - 1
 MIN_REPETITION_PENALTY = 0.01
 # Longest per-request prefix-cache salt, in characters.
 MAX_CACHE_SALT_CHARS = 256
+# Longest deadline a request may ask for, in seconds (a day: any longer is no deadline at all).
+MAX_REQUEST_TIMEOUT_S = 86_400.0
 # Most logit_bias entries (OpenAI allows 300) and the range of one bias (OpenAI's).
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ABS_LOGIT_BIAS = 100.0
@@ -104,6 +106,9 @@ class SamplingRequest(BaseModel):
     tpserve: TpserveOptions | None = None
     # Prefix-cache salt (vLLM extension): requests share cached prefixes only with the same salt.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # Seconds this request may take end to end before it is aborted (its KV freed) and answered
+    # 408 (in-band once streaming). It can only shorten the server's `request_timeout_s`.
+    request_timeout_s: float | None = Field(default=None, gt=0, le=MAX_REQUEST_TIMEOUT_S)
     # Constrain the output to JSON (any object, or valid against a schema); both endpoints.
     response_format: ResponseFormat | None = None
     # vLLM extension (completions only): per prompt token, its logprob and rank + this many top.

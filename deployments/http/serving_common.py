@@ -1,18 +1,21 @@
-"""What completions and chat share: ids, SSE framing, usage, and `ResponseRun`, the
-life of one response (collect for a JSON body, or stream chunks), parameterized by the endpoint's
-own rendering of choices."""
+"""What completions and chat share: ids, SSE framing, usage, `ResponseRun`, the life of one
+response (collect for a JSON body, or stream chunks), parameterized by the endpoint's own
+rendering of choices; and what bounds a response from outside: its deadline
+(`within_deadline`) and its tenant's prefix-cache salt (`tenant_cache_salt`)."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from deployments.http.choice_streams import ChoiceSpec, ChoiceStreams, EngineStreamResponse, make_choice_specs
@@ -223,3 +226,82 @@ class ResponseRun:
             yield SSE_DONE
         finally:
             self.streams.finish()
+
+
+# ---- deadlines ------------------------------------------------------------------------------
+
+
+def request_deadline_s(server_timeout_s: float | None, client_timeout_s: float | None) -> float | None:
+    """The request's deadline in seconds: the server's, which the client's can only shorten."""
+    given = [t for t in (server_timeout_s, client_timeout_s) if t is not None]
+    return min(given) if given else None
+
+
+def deadline_exceeded(timeout_s: float) -> APIError:
+    return APIError(408, f"The request did not finish within its deadline of {timeout_s:g} s and was aborted.",
+                    param="request_timeout_s", code="request_timeout")
+
+
+async def within_deadline(respond: Awaitable[Response], timeout_s: float | None, elapsed_s: float = 0.0) -> Response:
+    """`respond`'s response, bounded by `timeout_s` from the request's arrival, `elapsed_s` ago
+    (reading and parsing its body). Past the deadline, the work is
+    cancelled, which closes its engine requests (their KV freed: ResponseRun.collect /
+    ChoiceStreams.start end them on any exit): before a stream's headers the client gets 408;
+    in a stream, an in-band 408 error event and `data: [DONE]`."""
+    if timeout_s is None:
+        return await respond
+    deadline = asyncio.get_running_loop().time() + timeout_s - elapsed_s
+    scope = asyncio.timeout_at(deadline)
+    try:
+        async with scope:
+            response = await respond
+    except TimeoutError:
+        if not scope.expired():
+            raise  # someone else's timeout, not the deadline
+        raise deadline_exceeded(timeout_s) from None
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _stream_until(response.body_iterator, deadline, timeout_s)
+    return response
+
+
+async def _stream_until(chunks: AsyncIterator[bytes], deadline: float, timeout_s: float) -> AsyncIterator[bytes]:
+    # The timeout covers only the wait for the next chunk, never a `yield`: a cancellation
+    # there would land in the server's send, not here.
+    iterator = aiter(chunks)
+    while True:
+        scope = asyncio.timeout_at(deadline)
+        try:
+            async with scope:
+                chunk = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if not scope.expired():
+                raise
+            # The cancellation went through the stream's generator: its `finally` closed its
+            # engine requests. Tell the client in-band (headers are gone).
+            logger.info("request aborted at its deadline of %g s", timeout_s)
+            yield sse_event(deadline_exceeded(timeout_s).body())
+            yield SSE_DONE
+            return
+        yield chunk
+
+
+# ---- tenants --------------------------------------------------------------------------------
+
+
+def _digest(kind: bytes, value: str) -> str:
+    # Domain-separated, so a tenant digest can never equal a client-salt digest.
+    return hashlib.sha256(b"tpserve-cache-salt/" + kind + b"/" + value.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def tenant_cache_salt(tenant: str | None, client_salt: str | None) -> str:
+    """The prefix-cache salt of a request when `cache_salt_header` is on: the tenant's (a hash
+    of the header's value; "" = no header, all such requests one tenant), combined with the
+    client's own `cache_salt` if any. The whole string is built here, so a client's salt can
+    split its own tenant's cache further but never name another tenant's. The raw header value
+    (an API key, often) is never stored or logged: only its hash reaches the engine."""
+    salt = "t:" + _digest(b"tenant", tenant or "")
+    if client_salt is not None:
+        salt += ":c:" + _digest(b"client", client_salt)
+    return salt

@@ -6,13 +6,22 @@ replica's own app answers it. Responses name the replica that served them (heade
 
 A replica that dies before it sent anything (its node went away) is retried once on another
 replica; one that dies mid-stream ends the stream with an OpenAI-style error event.
+
+The ingress reads bodies under the engine's own limits (deployments/http/body.py: size, UTF-8,
+JSON syntax, NaN, depth) before anything else, parses them on a thread, and answers only
+OpenAI-style errors: a body the engine would refuse is refused here, without a trip to a
+replica. When the engines and Serve's queue in front of them are full (max_queued_requests),
+Serve's BackPressureError becomes the same 503 + Retry-After the engine answers. It runs as
+`routing_ingress_replicas` replicas, or autoscales (`routing_ingress_autoscaling_config`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
+import math
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +30,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from deployments.http.body import parse_json, read_body
+from deployments.http.errors import APIError, internal_error, overloaded
 from deployments.routing.asgi_forward import ACCEPTED, ForwardedRequest
 from deployments.routing.prefix_digest import prefix_digests, routing_text
 from deployments.routing.replica_side import REPLICA_HEADER
@@ -41,28 +52,58 @@ RETRY_PAUSE_S = 0.5
 # Seconds for a request to reach a replica that accepts it (routing, not generation): long
 # enough for a loaded machine (routing took up to ~20 s on the 2-core, shared test machine).
 ACCEPT_TIMEOUT_S = 60.0
+# Threads per ingress replica that parse bodies and compute their digests (off the event loop,
+# which relays every token of every stream).
+PARSE_THREADS = 2
+
+
+def ingress_replica_floor(config: Any) -> int:
+    """The fewest ingress replicas there will be: min_replicas when it autoscales (at least 1)."""
+    if config.routing_ingress_autoscaling_config is not None:
+        return max(1, int(config.routing_ingress_autoscaling_config.get("min_replicas", 1)))
+    return config.routing_ingress_replicas
 
 
 def routing_ingress_options(config: Any) -> dict[str, Any]:
     """Serve options of the routing ingress for a TpserveConfig: no CPU reserved (it only
-    forwards), placed where `routing_ingress_resources` says."""
+    forwards), placed where `routing_ingress_resources` says, `routing_ingress_replicas` of it
+    (or autoscaled by `routing_ingress_autoscaling_config`)."""
     actor_options: dict[str, Any] = {"num_cpus": 0}
     if config.routing_ingress_resources:
         actor_options["resources"] = dict(config.routing_ingress_resources)
-    # It holds every request of every engine replica while they run (Serve's default cap of 5
-    # would queue requests at the proxy in front of idle replicas).
+    # The ingress replicas together hold every request of every engine replica while it runs
+    # (Serve's default cap of 5 would queue requests at the proxy in front of idle replicas),
+    # plus their own handle's queue (max_queued_requests) and as many again for requests about
+    # to be refused: a refusal then comes from the ingress's handle, as an OpenAI 503, not
+    # from the HTTP proxy's queue as plain text.
     max_replicas = (config.autoscaling_config or {}).get("max_replicas", config.num_replicas)
-    return {"ray_actor_options": actor_options,
-            "max_ongoing_requests": config.max_ongoing_requests * max(1, int(max_replicas))}
+    engine_capacity = config.max_ongoing_requests * max(1, int(max_replicas))
+    per_replica = math.ceil(engine_capacity / ingress_replica_floor(config)) + 2 * config.max_queued_requests
+    options: dict[str, Any] = {"ray_actor_options": actor_options, "max_ongoing_requests": per_replica,
+                               "max_queued_requests": config.max_queued_requests}
+    if config.routing_ingress_autoscaling_config is not None:
+        options["autoscaling_config"] = dict(config.routing_ingress_autoscaling_config)
+    else:
+        options["num_replicas"] = config.routing_ingress_replicas
+    return options
 
 
-def digests_for(method: str, body: bytes) -> list[int]:
-    if method != "POST" or not body:
-        return []
+def checked_digests(body: bytes, max_depth: int) -> list[int]:
+    """Apply the engine's body rules (UTF-8, JSON, NaN, depth: APIError 400 when broken) and
+    return the prompt's prefix digests ([] for a body with no prompt). Runs on the parse threads."""
+    data = parse_json(body, max_depth)
     try:
-        return prefix_digests(routing_text(json.loads(body)))
-    except ValueError:
-        return []  # the replica answers the malformed body with its own 400
+        return prefix_digests(routing_text(data))
+    except Exception:  # noqa: BLE001 - a shape routing does not know: route by load, the engine judges it
+        logger.warning("tpserve router: no prefix digests for a body of unexpected shape")
+        return []
+
+
+def is_backpressure(exc: BaseException) -> bool:
+    """Serve refused the call: the engines are full and so is the queue in front of them."""
+    from ray.serve.exceptions import BackPressureError
+
+    return isinstance(exc, BackPressureError) or isinstance(getattr(exc, "cause", None), BackPressureError)
 
 
 def _engine_path(request: Request) -> str:
@@ -80,9 +121,12 @@ async def _discard(response: Response) -> None:
 
 
 def replica_unavailable(exc: BaseException) -> JSONResponse:
+    # What failed (actor ids, addresses) goes to the log, not to the client (errors say what,
+    # not where: deployments/http/errors.py).
+    logger.warning("tpserve router: no replica could serve the request: %s: %s", type(exc).__name__, exc)
     return JSONResponse(status_code=503, headers={"Retry-After": "1"}, content={"error": {
-        "message": f"No tpserve replica could serve the request: {type(exc).__name__}: {exc}"[:500],
-        "type": "ServiceUnavailableError", "param": None, "code": "replica_unavailable"}})
+        "message": "No tpserve replica could serve the request; please retry.",
+        "type": "server_error", "param": None, "code": "replica_unavailable"}})
 
 
 def _stream_error_event(exc: BaseException) -> bytes:
@@ -95,8 +139,12 @@ def _stream_error_event(exc: BaseException) -> bytes:
 # may hold only one @serve.ingress deployment, and the engine replicas are one.
 @serve.deployment(name=ROUTER_DEPLOYMENT_NAME, ray_actor_options={"num_cpus": 0})
 class RoutingIngress:
-    def __init__(self, engine_handle: Any) -> None:
+    def __init__(self, engine_handle: Any, config: Any) -> None:
         self._handle = engine_handle.options(stream=True, method_name="forward_http")
+        # The engine's body limits (TpserveConfig), applied before anything reaches a replica.
+        self._max_body_bytes = config.max_request_body_bytes
+        self._max_json_depth = config.max_json_depth
+        self._parse_pool = concurrent.futures.ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="tpserve-route-parse")
 
     async def _first_message(self, request: ForwardedRequest) -> tuple[Any, dict[str, Any]]:
         last_error: BaseException | None = None
@@ -113,7 +161,10 @@ class RoutingIngress:
                 return stream, await stream.__anext__()
             except StopAsyncIteration as exc:
                 last_error = exc
-            except (Exception, asyncio.TimeoutError) as exc:  # noqa: BLE001 - dead replica/node: nothing was sent
+            except Exception as exc:  # noqa: BLE001 - sorted below
+                if is_backpressure(exc):
+                    raise  # full, not failed: another attempt only adds load
+                # A dead replica/node (or a routing timeout): nothing was sent, retry once.
                 logger.warning("tpserve router: replica failed before answering, retrying: %r", exc)
                 stream.cancel()
                 last_error = exc
@@ -132,10 +183,20 @@ class RoutingIngress:
             yield _stream_error_event(exc)
 
     async def __call__(self, request: Request) -> Response:
-        body = await request.body()
-        if request.method == "GET" and _TIMELINE_PATH.fullmatch(_engine_path(request)):
-            return await self._find_timeline(request)
-        return await self._forward(request, body)
+        try:
+            body = await read_body(request, self._max_body_bytes)
+            if request.method == "GET" and _TIMELINE_PATH.fullmatch(_engine_path(request)):
+                return await self._find_timeline(request)
+            digests: list[int] = []
+            if request.method == "POST" and body:
+                digests = await asyncio.get_running_loop().run_in_executor(
+                    self._parse_pool, checked_digests, body, self._max_json_depth)
+            return await self._forward(request, body, digests)
+        except APIError as error:
+            return error.to_response()
+        except Exception:  # noqa: BLE001 - never a bare 500 (nor a trace) to the client
+            logger.exception("tpserve router: request failed in the ingress")
+            return internal_error().to_response()
 
     async def _find_timeline(self, request: Request) -> Response:
         """A timeline lives on the replica that served the request: ask replica after replica
@@ -144,7 +205,7 @@ class RoutingIngress:
         asked: list[str] = []
         response: Response | None = None
         for _ in range(MAX_TIMELINE_REPLICAS):
-            response = await self._forward(request, b"", exclude_replicas=asked)
+            response = await self._forward(request, b"", [], exclude_replicas=asked)
             replica = response.headers.get(REPLICA_HEADER.decode())
             if response.status_code != 404 or not replica or replica in asked:
                 return response
@@ -152,16 +213,21 @@ class RoutingIngress:
             await _discard(response)
         return response
 
-    async def _forward(self, request: Request, body: bytes, exclude_replicas: list[str] | None = None) -> Response:
+    async def _forward(self, request: Request, body: bytes, digests: list[int],
+                       exclude_replicas: list[str] | None = None) -> Response:
         forwarded = ForwardedRequest(method=request.method, path=_engine_path(request),
                                      query_string=request.scope.get("query_string", b""),
                                      headers=list(request.scope.get("headers", [])), body=body,
-                                     prefix_digests=digests_for(request.method, body),
-                                     exclude_replicas=list(exclude_replicas or []))
+                                     prefix_digests=digests, exclude_replicas=list(exclude_replicas or []))
         try:
             stream, start = await self._first_message(forwarded)
         except RuntimeError as exc:
             return replica_unavailable(exc.__cause__ or exc)
+        except Exception as exc:  # noqa: BLE001 - only Serve's refusal gets here (see _first_message)
+            if not is_backpressure(exc):
+                raise
+            logger.info("tpserve router: refused, the engines and Serve's queue are full")
+            return overloaded().to_response()
         response = StreamingResponse(self._body_chunks(stream, {}), status_code=start.get("status", 500))
         response.raw_headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in _HOP_BY_HOP]
         return response
