@@ -1,7 +1,8 @@
 """GPU KV-cache budget arithmetic (pure, CPU) and the profiling forwards it is fed by.
 
 budget = gpu_memory_utilization x total - in use after weights and profiling - activation peak
-         - decode graph pool; a start error when that cannot hold one max_model_len request.
+         - decode graph pool; max_model_len capped (one warning line) when that cannot hold one
+         max_model_len request, a start error when it cannot hold one block.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from workers.runner.kv_cache import (
     KVCacheTooSmallError,
     MemoryProfile,
     allocate_kv_cache,
-    check_room_for_one_request,
+    max_model_len_for_blocks,
     gpu_kv_budget,
     num_blocks_for_budget,
 )
@@ -65,32 +66,42 @@ def test_blocks_from_budget():
     assert num_blocks_for_budget(spec, 2 * MiB - 1) == 0
 
 
-@pytest.mark.parametrize(("max_model_len", "num_blocks", "fits"), [
-    (4096, 257, True),     # 256 blocks of context + the null block
-    (4096, 256, False),
-    (4097, 257, False),    # one token more needs a 257th context block
-    (16, 2, True),
-    (16, 1, False),
+@pytest.mark.parametrize(("max_model_len", "num_blocks", "expected"), [
+    (4096, 257, 4096),     # 256 blocks of context + the null block
+    (4096, 256, 4080),     # one block short: capped to the 255 blocks there are
+    (4097, 257, 4096),     # one token more needs a 257th context block
+    (16, 2, 16),
+    (100, 2, 16),
 ])
-def test_room_for_one_full_length_request(max_model_len, num_blocks, fits):
-    if fits:
-        check_room_for_one_request(num_blocks, 16, max_model_len, "note")
+def test_max_model_len_is_capped_to_what_one_request_can_hold(max_model_len, num_blocks, expected, caplog):
+    with caplog.at_level("WARNING", logger="workers.runner.kv_cache"):
+        assert max_model_len_for_blocks(num_blocks, 16, max_model_len, "0.90 x 80.0 GiB - ...") == expected
+    if expected == max_model_len:
+        assert not caplog.records
     else:
-        with pytest.raises(KVCacheTooSmallError) as info:
-            check_room_for_one_request(num_blocks, 16, max_model_len, "0.90 x 80.0 GiB - ...")
-        message = str(info.value)
-        assert f"max_model_len={max_model_len}" in message and f"room for {num_blocks} blocks" in message
-        assert "gpu_memory_utilization" in message and "0.90 x 80.0 GiB" in message
+        (record,) = caplog.records
+        line = record.getMessage()
+        assert f"max_model_len {max_model_len} capped to {expected}" in line
+        assert f"{num_blocks} blocks of 16 tokens" in line and "0.90 x 80.0 GiB" in line
 
 
-def test_start_error_for_a_128k_model_on_a_small_budget():
-    """8B at 128k context: one request needs 8193 blocks = 16 GiB of KV; 10 GiB left must refuse."""
+@pytest.mark.parametrize("num_blocks", [0, 1])
+def test_start_error_when_not_even_one_block_fits(num_blocks):
+    with pytest.raises(KVCacheTooSmallError) as info:
+        max_model_len_for_blocks(num_blocks, 16, 4096, "0.90 x 80.0 GiB - ...")
+    message = str(info.value)
+    assert f"room for {num_blocks} blocks" in message and "gpu_memory_utilization" in message
+    assert "0.90 x 80.0 GiB" in message
+
+
+def test_a_128k_model_on_a_small_budget_is_capped_to_the_cache():
+    """8B at 128k context: one request needs 8193 blocks = 16 GiB of KV; with 16 GiB left (8192
+    blocks, one short) max_model_len becomes 8191 blocks of tokens; with 52 GiB it stays."""
     spec = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    budget, note = gpu_kv_budget(_profile(total=40 * GiB), 0.9)  # 36 - 20 = 16 GiB: 8192 blocks, one short
-    with pytest.raises(KVCacheTooSmallError):
-        check_room_for_one_request(num_blocks_for_budget(spec, budget), 16, 131072, note)
+    budget, note = gpu_kv_budget(_profile(total=40 * GiB), 0.9)  # 36 - 20 = 16 GiB: 8192 blocks
+    assert max_model_len_for_blocks(num_blocks_for_budget(spec, budget), 16, 131072, note) == 8191 * 16
     roomy, note = gpu_kv_budget(_profile(), 0.9)
-    check_room_for_one_request(num_blocks_for_budget(spec, roomy), 16, 131072, note)
+    assert max_model_len_for_blocks(num_blocks_for_budget(spec, roomy), 16, 131072, note) == 131072
 
 
 # ---- the profiling forwards run (CPU: the same code, without the CUDA peak counters) ------------
@@ -106,7 +117,7 @@ def test_profiling_forwards_run_on_a_tiny_model(tmp_path):
     worker = WorkerCore(cfg, SINGLE_RANK)
     worker.load_model()
     with torch.inference_mode():
-        profiling._prefill(worker.model, torch.device("cpu"), cfg)
+        profiling._worst_step(worker.model, torch.device("cpu"), cfg)
         profiling._widest_decode_and_sampler(worker.model, torch.device("cpu"), cfg)
 
 

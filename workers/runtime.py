@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from workers.cpu.kernels import cpu_flags
 from workers.executors.executor import Executor
+from workers.model.config import ModelConfig
 from workers.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -60,3 +63,112 @@ def make_executor(worker_config: WorkerConfig, tensor_parallel_size: int, placem
 
     return RayExecutor(worker_config, tensor_parallel_size, placement_strategy,
                        step_timeout_s=step_timeout_s, num_threads_per_rank=cpu_threads)
+
+
+# ---- step sizes on a GPU -----------------------------------------------------------------------
+# The step fields `gpu_step_defaults` derives when the device is CUDA and the user left them unset.
+# On CPU the configured defaults stand exactly as they are (64 / 2048 / 256 / 2048).
+STEP_SIZE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_cuda_graph_batch_size", "max_cuda_graph_tokens")
+# vLLM's defaults on large GPUs (H100/H200 class, its OpenAI server): 256 sequences, 8192 tokens.
+GPU_MAX_NUM_SEQS = 256
+GPU_MAX_BATCHED_TOKENS = 8192
+# Fewest sequences and tokens a GPU default goes down to (a GPU barely larger than the weights).
+GPU_MIN_NUM_SEQS = 16
+GPU_MIN_BATCHED_TOKENS = 2048
+# Tokens of KV cache each running sequence should find on average, for max_num_seqs to be worth
+# its graphs and sampler rows: fewer and the scheduler preempts instead of running them.
+KV_TOKENS_PER_SEQ = 1024
+# Share of the KV room the worst step's activations (max_num_batched_tokens of them) may take.
+STEP_ACTIVATION_SHARE = 0.05
+# Token-row graphs (workers/runner/cuda_graph.py) replay steps of up to this many tokens; larger
+# steps run eagerly. Their pool grows with rows, so it stays at the tested 2048 on every GPU.
+GPU_MAX_GRAPH_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    # Most requests running at once (WorkerConfig / SchedulerConfig max_num_seqs).
+    max_num_seqs: int
+    # The scheduler's step token budget (prefill chunks + decodes).
+    max_num_batched_tokens: int
+    # Largest decode batch captured in a CUDA graph.
+    max_cuda_graph_batch_size: int
+    # Largest step (tokens) replayed through token-row graphs.
+    max_cuda_graph_tokens: int
+    # How they were derived, for the startup log.
+    note: str = ""
+
+
+def weight_bytes_per_rank(cfg: ModelConfig, dtype_bytes: int, tensor_parallel_size: int) -> int:
+    """Parameter bytes one rank holds (embeddings, untied head, attention, MLP; norms are noise)."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    vocab = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    return (cfg.num_hidden_layers * per_layer + vocab) * dtype_bytes // tensor_parallel_size
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tensor_parallel_size: int) -> int:
+    """K and V of one token in every layer, on one rank (KV heads split over ranks, at least one)."""
+    heads = max(1, cfg.num_key_value_heads // tensor_parallel_size)
+    return 2 * cfg.num_hidden_layers * heads * cfg.head_dim * dtype_bytes
+
+
+def step_activation_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tensor_parallel_size: int) -> int:
+    """Live activations per token of a step at the MLP, the widest point: the residual and normed
+    hidden states, q/k/v, and gate+up plus their product, on one rank (one layer at a time)."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    sharded = (q + 2 * kv + 3 * cfg.intermediate_size) // tensor_parallel_size
+    return (3 * cfg.hidden_size + sharded) * dtype_bytes
+
+
+def gpu_step_defaults(free_bytes: int | None, cfg: ModelConfig, dtype_bytes: int, tensor_parallel_size: int,
+                      gpu_memory_utilization: float) -> StepSizes:
+    """Step sizes for a GPU with `free_bytes` free on each rank (None: unknown, e.g. ranks on
+    other nodes: vLLM's large-GPU defaults).
+
+    KV room = utilization x free - weights. max_num_seqs: the largest power of two up to 256
+    whose sequences find KV_TOKENS_PER_SEQ tokens of room each (at least 16). The step budget:
+    the largest of 8192, 4096, 2048 whose activations take at most 5% of the room, and at least
+    max_num_seqs (every running sequence decodes in one step). Graphs capture up to max_num_seqs
+    rows, and token-row graphs up to min(2048, budget) tokens. Pure: tested on CPU.
+    """
+    if free_bytes is None:
+        return StepSizes(GPU_MAX_NUM_SEQS, GPU_MAX_BATCHED_TOKENS, GPU_MAX_NUM_SEQS, GPU_MAX_GRAPH_TOKENS,
+                         "free GPU memory unknown here: vLLM's large-GPU defaults")
+    room = max(0, int(gpu_memory_utilization * free_bytes) - weight_bytes_per_rank(cfg, dtype_bytes,
+                                                                                   tensor_parallel_size))
+    room_tokens = room // kv_bytes_per_token(cfg, dtype_bytes, tensor_parallel_size)
+    seqs = GPU_MAX_NUM_SEQS
+    while seqs > GPU_MIN_NUM_SEQS and seqs * KV_TOKENS_PER_SEQ > room_tokens:
+        seqs //= 2
+    per_token = step_activation_bytes_per_token(cfg, dtype_bytes, tensor_parallel_size)
+    budget = GPU_MAX_BATCHED_TOKENS
+    while budget > GPU_MIN_BATCHED_TOKENS and budget * per_token > STEP_ACTIVATION_SHARE * room:
+        budget //= 2
+    budget = max(budget, seqs)
+    note = (f"{gpu_memory_utilization:.2f} x {free_bytes / (1 << 30):.1f} GiB free - weights "
+            f"{weight_bytes_per_rank(cfg, dtype_bytes, tensor_parallel_size) / (1 << 30):.1f} GiB leaves KV room "
+            f"for {room_tokens} tokens")
+    return StepSizes(seqs, budget, seqs, min(GPU_MAX_GRAPH_TOKENS, budget), note)
+
+
+def resolve_step_sizes(configured: StepSizes, user_set: set[str] | frozenset[str], device: str,
+                       derive: Callable[[], StepSizes]) -> StepSizes:
+    """The step sizes a server runs with: on GPU, what `derive()` gives for every field the user
+    left unset (derive is called only then); on CPU, or where the user set a field, the
+    configured value. Logs the GPU derivation once."""
+    unset = [f for f in STEP_SIZE_FIELDS if f not in user_set]
+    if device != "cuda" or not unset:
+        return configured
+    derived = derive()
+    values = {f: getattr(derived if f in unset else configured, f) for f in STEP_SIZE_FIELDS}
+    # A user's budget below the derived max_num_seqs still has to fit every decode of a step.
+    if "max_num_seqs" in unset and "max_num_batched_tokens" not in unset:
+        values["max_num_seqs"] = min(values["max_num_seqs"], values["max_num_batched_tokens"])
+    values["max_cuda_graph_tokens"] = min(values["max_cuda_graph_tokens"], values["max_num_batched_tokens"])
+    resolved = StepSizes(**values, note=derived.note)
+    logger.info("GPU step sizes (%s derived: %s): max_num_seqs %d, max_num_batched_tokens %d, "
+                "max_cuda_graph_batch_size %d, max_cuda_graph_tokens %d", ", ".join(unset), derived.note,
+                resolved.max_num_seqs, resolved.max_num_batched_tokens, resolved.max_cuda_graph_batch_size,
+                resolved.max_cuda_graph_tokens)
+    return resolved

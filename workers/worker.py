@@ -17,12 +17,13 @@ from workers.cpu import kernels
 from workers.cpu.linear import (LAYOUT_AMX, LAYOUT_PANEL, LAYOUT_PLAIN, calibrate_panel_rows, can_prepack,
                                 packable_in_sixteens, prepack_linears)
 from workers.runner.cuda_graph import CudaGraphRunner, make_graph_runner
-from workers.runner.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, check_room_for_one_request, gpu_kv_budget,
-                              kv_spec_for, num_blocks_for_budget)
+from workers.runner.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, gpu_kv_budget, kv_spec_for,
+                                     max_model_len_for_blocks, num_blocks_for_budget)
 from workers.model.backend import TORCH, TorchBackend, select_backend
 from workers.model.decoder import DecoderForCausalLM, build_model
 from workers.model.config import ModelConfig
 from workers.runner.model_runner import ModelRunner
+from workers.distributed.device_binding import bind_device, rank_device
 from workers.distributed.parallel_state import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,14 @@ class WorkerConfig:
     enforce_eager: bool = False
     # Most requests running at once, and the cap on the largest captured decode batch.
     max_num_seqs: int = 64
+    # The scheduler's step token budget (prefill chunks + decodes): GPU memory is profiled for a
+    # step of this many prefill tokens at the deepest context plus max_num_seqs decodes.
+    max_num_batched_tokens: int = 2048
+    # "auto": the *.safetensors in model_path; "dummy": random weights from config.json alone
+    # (workers/model/dummy_weights.py), for benchmarks at any architecture's shapes.
+    load_format: str = "auto"
+    # Seed of the dummy weights.
+    dummy_seed: int = 0
     max_cuda_graph_batch_size: int = 256
     # GPU only: steps with prefill tokens of up to this many tokens in all replay graphs too, one
     # row per token (workers/runner/cuda_graph.py, token rows); 0: decode-only graphs.
@@ -88,29 +97,42 @@ class WorkerLoadReport:
     # The KV budget in bytes and how it was derived, for the startup log.
     kv_budget_bytes: int
     budget_note: str
+    # The longest request this rank serves: the configured max_model_len, or (GPU) less when the
+    # cache cannot hold one request of it or its worst step fits only shorter (capped, with a
+    # warning line: workers/runner/kv_cache.py, workers/runner/profiling.py).
+    max_model_len: int
 
 
 class WorkerCore:
-    def __init__(self, config: WorkerConfig, tp: TPGroup) -> None:
+    def __init__(self, config: WorkerConfig, tp: TPGroup, local_rank: int | None = None) -> None:
         self.config = config
         self.tp = tp
-        self.device = torch.device(config.device)
+        # cuda:{local_rank} on GPU (never a bare "cuda": workers/distributed/device_binding.py).
+        self.device = rank_device(config.device, local_rank)
+        # max_model_len as the KV cache allows (set by load_model, then by init_kv_cache).
+        self.max_model_len = config.max_model_len
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.model: DecoderForCausalLM | None = None
         self.runner: ModelRunner | None = None
         self.kv_spec: KVCacheSpec | None = None
         # How this rank computes (torch ops, or tpserve's CPU kernels), chosen once at load.
         self.backend: TorchBackend = TORCH
+        # What load_model reported (None before it ran).
+        self.load_report: WorkerLoadReport | None = None
 
     def load_model(self) -> WorkerLoadReport:
         start = time.perf_counter()
         cfg = self.config
+        bind_device(self.device)
         self.backend = select_backend(self.device, cfg.dtype, cfg.cpu_kernels,
                                       prefill_attention=cfg.cpu_prefill_attention, layer_stack=cfg.cpu_layer_stack)
         with torch.device(self.device):
             model = build_model(self.model_config, self.tp, cfg.dtype, max_positions=cfg.max_model_len,
                                 backend=self.backend)
-        param_bytes = model.load_weights(cfg.model_path)
+        if cfg.load_format == "dummy":
+            param_bytes = model.load_dummy_weights(cfg.dummy_seed)
+        else:
+            param_bytes = model.load_weights(cfg.model_path)
         if cfg.cpu_prepack_linear and can_prepack(self.device, cfg.dtype):
             rows, layout = self._small_batch_rows(model)
             prepack_linears(model, small_batch_rows=rows, layout=layout)
@@ -119,15 +141,20 @@ class WorkerCore:
         load_time = time.perf_counter() - start
         self.kv_spec = kv_spec_for(self.model_config, cfg.block_size, model.num_local_kv_heads, cfg.dtype)
         budget, note = self._kv_budget(param_bytes)
-        return WorkerLoadReport(
+        num_blocks = num_blocks_for_budget(self.kv_spec, budget)
+        if self.device.type == "cuda":  # on CPU the cache size is the user's own setting: admission checks it
+            self.max_model_len = max_model_len_for_blocks(num_blocks, cfg.block_size, self.max_model_len, note)
+        self.load_report = WorkerLoadReport(
             rank=self.tp.rank,
             param_bytes=param_bytes,
             load_time=load_time,
-            num_blocks=num_blocks_for_budget(self.kv_spec, budget),
+            num_blocks=num_blocks,
             bytes_per_block=self.kv_spec.bytes_per_block,
             kv_budget_bytes=budget,
             budget_note=note,
+            max_model_len=self.max_model_len,
         )
+        return self.load_report
 
     def _small_batch_rows(self, model: torch.nn.Module) -> tuple[int, str]:
         """Rows up to which projections take one of tpserve's kernels (0: off, or no such kernel
@@ -156,13 +183,19 @@ class WorkerCore:
             return budget, f"kv_cache_memory_gib={cfg.kv_cache_memory_gib} (CPU)"
         from workers.runner.profiling import profile_memory
 
-        budget, note = gpu_kv_budget(profile_memory(self.model, self.device, cfg, param_bytes),
-                                     cfg.gpu_memory_utilization)
-        check_room_for_one_request(num_blocks_for_budget(self.kv_spec, budget), cfg.block_size, cfg.max_model_len, note)
-        return budget, note
+        profile = profile_memory(self.model, self.device, cfg, param_bytes)
+        if profile.max_model_len is not None:  # shorter when the worst step fits only there (logged)
+            self.max_model_len = min(self.max_model_len, profile.max_model_len)
+        return gpu_kv_budget(profile, cfg.gpu_memory_utilization)
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate num_blocks (the minimum over ranks) and, on GPU, capture the graphs for the
+        max_model_len those blocks hold, so that every rank captures the same list."""
         assert self.model is not None and self.kv_spec is not None
+        bind_device(self.device)
+        if self.device.type == "cuda":
+            self.max_model_len = max_model_len_for_blocks(num_blocks, self.config.block_size, self.max_model_len,
+                                                          log=False)
         kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         stop_ids = tuple(self.model_config.eos_token_ids)
         graph_runner = self._make_graph_runner(kv_caches) if self.device.type == "cuda" else None
@@ -175,7 +208,7 @@ class WorkerCore:
         capture has already initialised the NCCL communicator, so the all-reduces are recorded."""
         cfg = self.config
         runner = make_graph_runner(
-            self.model, kv_caches, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
+            self.model, kv_caches, block_size=cfg.block_size, max_model_len=self.max_model_len,
             max_num_seqs=cfg.max_num_seqs, max_cuda_graph_batch_size=cfg.max_cuda_graph_batch_size,
             dtype=cfg.dtype, device=self.device, attention_backend=cfg.decode_attention,
             max_graph_tokens=cfg.max_cuda_graph_tokens,
@@ -190,6 +223,7 @@ class WorkerCore:
         self.runner = None
         self.model = None
         if self.device.type == "cuda":
+            bind_device(self.device)
             torch.cuda.empty_cache()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -12,7 +12,10 @@ Lifecycle, driven by `RayExecutor` (every step on every rank, in this order):
 With the gloo dispatch there is no Ray call per step: every rank sits in `run_control_loop`,
 receiving the SchedulerOutput the engine broadcasts over a control group of its own (engine +
 workers), and rank 0 sends its output back. The actor is threaded (max_concurrency=2) so `ping`
-answers while a step or the loop runs.
+answers while a step or the loop runs. Ray runs methods of a threaded actor on a pool of threads
+and CUDA's current device is per thread, so every method that touches CUDA first binds this
+rank's device (`_bind`), and everything a rank allocates names `cuda:{local_rank}` explicitly
+(workers/distributed/device_binding.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.distributed.control_channel import ERROR, STOP, ControlChannel, make_control_channel, make_control_store
+from workers.distributed.device_binding import bind_device, rank_device
 from workers.distributed.parallel_state import TPGroup, nccl_environment
 from workers.distributed.ports import free_port
 from workers.worker import WorkerConfig, WorkerCore, WorkerLoadReport
@@ -51,6 +55,8 @@ class Worker:
         self.world_size = world_size
         self.config = config
         torch.set_num_threads(num_threads)
+        # This rank's GPU among those visible to it (pin_device); None on CPU.
+        self.local_rank: int | None = None
         self.core: WorkerCore | None = None
         self.control: ControlChannel | None = None
         self.forward_times: deque[float] = deque(maxlen=_FORWARD_TIMES_KEPT)
@@ -70,35 +76,52 @@ class Worker:
         """See every GPU the group holds on this node, use one (parallel_state.local_device_assignment):
         with all peers visible NCCL can take its peer-to-peer path between them."""
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
-        torch.cuda.set_device(local_index)
+        self.local_rank = local_index
+        self._bind()
+
+    @property
+    def device(self) -> torch.device:
+        """cuda:{local_rank} on GPU (never a bare "cuda"), else the configured device."""
+        return rank_device(self.config.device, self.local_rank if self.config.device == "cuda" else None)
+
+    def _bind(self) -> None:
+        """Make this rank's GPU current in the calling thread (each actor method may run on
+        another of Ray's threads); no-op on CPU."""
+        if self.config.device == "cuda":
+            bind_device(self.device)
 
     def init_distributed(self, host: str, port: int, timeout_s: float) -> None:
+        self._bind()
         options = {}
         if self.config.device == "cuda":
             for name, value in nccl_environment(os.environ).items():
                 os.environ[name] = value
-            options["device_id"] = torch.device("cuda", torch.cuda.current_device())
+            options["device_id"] = self.device
         backend = "nccl" if self.config.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s), **options)
         tp = TPGroup(rank=self.rank, world_size=self.world_size, group=dist.group.WORLD)
-        self.core = WorkerCore(self.config, tp)
+        self.core = WorkerCore(self.config, tp, local_rank=self.local_rank)
 
     def load_model(self) -> WorkerLoadReport:
         assert self.core is not None, "init_distributed must run before load_model"
+        self._bind()
         return self.core.load_model()
 
     def init_kv_cache(self, num_blocks: int) -> None:
         assert self.core is not None
+        self._bind()
         self.core.init_kv_cache(num_blocks)
 
     def shutdown(self) -> None:
+        self._bind()
         if dist.is_initialized():
             dist.destroy_process_group()
 
     # ---- steps --------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         with self._step_lock:
+            self._bind()
             start = time.perf_counter()
             result = self.core.execute_model(scheduler_output)
             self.forward_times.append(time.perf_counter() - start)
@@ -117,6 +140,7 @@ class Worker:
     def run_control_loop(self) -> None:
         """Gloo dispatch: execute every SchedulerOutput the engine broadcasts until stop; rank 0
         replies with its ModelRunnerOutput (or the error that ended its step)."""
+        self._bind()
         while True:
             message = self.control.receive_broadcast()
             if message == STOP:

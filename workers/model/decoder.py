@@ -136,6 +136,13 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"checkpoint in {folder} lacks weights for: {sorted(missing)[:5]}")
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
+    def load_dummy_weights(self, seed: int = 0) -> int:
+        """`load_format: dummy`: random weights scaled like the model's own init, no files read
+        (workers/model/dummy_weights.py); returns bytes of the parameters."""
+        from workers.model.dummy_weights import fill_dummy_weights
+
+        return fill_dummy_weights(self, seed=seed, rank=self.tp.rank, norm_weight_offset=self.cfg.norm_weight_offset)
+
     def _target(self, name: str) -> tuple[str, int] | None:
         if "rotary_emb" in name:
             return None

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from workers.cpu import huge_pages
 from workers.model.config import ModelConfig
-from scheduler.math_utils import cdiv
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
@@ -81,10 +83,13 @@ class MemoryProfile:
     # The decode graphs' private memory pool, held for the server's life: the widest decode's
     # peak (graphs are captured largest first and the smaller ones reuse its pool); 0 when eager.
     graph_pool: int
+    # The longest max_model_len the profiled steps fit at (the configured one, or less when its
+    # worst step ran out of memory: workers/runner/profiling.py); None: not profiled for it.
+    max_model_len: int | None = None
 
 
 class KVCacheTooSmallError(ValueError):
-    """The KV budget cannot hold one request of max_model_len tokens."""
+    """The KV budget cannot hold even one block of context (plus the null block)."""
 
 
 def gpu_kv_budget(profile: MemoryProfile, gpu_memory_utilization: float) -> tuple[int, str]:
@@ -98,12 +103,26 @@ def gpu_kv_budget(profile: MemoryProfile, gpu_memory_utilization: float) -> tupl
     return max(budget, 0), note
 
 
-def check_room_for_one_request(num_blocks: int, block_size: int, max_model_len: int, budget_note: str) -> None:
-    """Refuse to start when the cache cannot hold one full-length request (plus the null block)."""
-    needed = cdiv(max_model_len, block_size) + 1
-    if num_blocks < needed:
+def max_model_len_for_blocks(num_blocks: int, block_size: int, max_model_len: int, budget_note: str = "",
+                             log: bool = True) -> int:
+    """The longest request a cache of num_blocks holds (block 0 is the null block): max_model_len
+    when it fits, else capped to what fits, with one warning line naming both (as vLLM warns when
+    it lowers max_model_len). A model's own default (131,072 for Llama-3.1) often exceeds what
+    one GPU's cache holds; capping serves every request that fits instead of refusing to start.
+    Fewer than 2 blocks hold nothing: a start error naming what to change."""
+    room = (num_blocks - 1) * block_size
+    if room < block_size:
         raise KVCacheTooSmallError(
-            f"the KV cache has room for {num_blocks} blocks of {block_size} tokens, but one request of "
-            f"max_model_len={max_model_len} needs {needed} (the null block included); budget: {budget_note}. "
-            "Raise gpu_memory_utilization, lower max_model_len or max_num_seqs, or add tensor-parallel ranks."
+            f"the KV cache has room for {num_blocks} blocks of {block_size} tokens: not even one request "
+            f"(one block plus the null block); budget: {budget_note}. Raise gpu_memory_utilization (or "
+            "kv_cache_memory_gib on CPU), lower max_num_seqs or max_num_batched_tokens, or add tensor-parallel ranks."
         )
+    if room >= max_model_len:
+        return max_model_len
+    if log:
+        logger.warning(
+            "max_model_len %d capped to %d: the KV cache holds %d blocks of %d tokens (the null block "
+            "aside), %d tokens for one request; budget: %s. Set max_model_len <= %d to silence this, or raise "
+            "gpu_memory_utilization for longer requests.", max_model_len, room, num_blocks, block_size, room,
+            budget_note, room)
+    return room
