@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 # Name of the Serve deployment (and the default application name of the CLI and tests).
 DEPLOYMENT_NAME = "tpserve"
-# The replica process's GIL switch interval (+24% output tokens/s at 16 streams, see README).
+# The replica process's GIL switch interval (+24% output tokens/s at 16 streams, see docs/performance.md).
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 

@@ -110,17 +110,8 @@ def serve_command(namespace: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tpserve: {exc}", file=sys.stderr)
         return 2
-
     if not namespace.ray_address:
-        # Before Ray is imported and started: Serve reads these at import time in every process
-        # of the cluster, which inherit this environment, and the raylet nices the workers it
-        # starts. (On a cluster joined with --ray-address, the environment its nodes were started
-        # with decides.)
-        from deployments.serve_fast_path import fast_path_env, ray_start_env
-
-        os.environ.update(ray_start_env(os.environ))
-        if namespace.ray_serve_fast_path:
-            os.environ.update(fast_path_env(os.environ))
+        _set_local_ray_env(namespace.ray_serve_fast_path)
 
     # Heavy imports after argument checks: `tpserve --help` stays instant.
     import ray
@@ -133,19 +124,7 @@ def serve_command(namespace: argparse.Namespace) -> int:
         # Once per machine; done here so that replicas find the folder ready.
         print("tpserve: preparing the default model (converted once, then cached) ...", flush=True)
         ensure_default_model()
-
-    if namespace.ray_address:
-        ray.init(address=namespace.ray_address)
-    else:
-        # Always a fresh local cluster ("local"), never one someone else started here, with enough
-        # logical CPUs for the tensor-parallel placement group asked for (one per rank plus the
-        # replica): on a small machine Ray's default (the core count) would leave it pending forever.
-        from workers.distributed.placement import local_ray_num_cpus
-
-        # No dashboard unless asked for: its head process and ten module processes took ~0.04
-        # cores of an idle 2-core machine from a CPU engine (README "Performance", levers table).
-        ray.init(address="local", include_dashboard=namespace.ray_dashboard,
-                 num_cpus=local_ray_num_cpus(config.tensor_parallel_size, os.cpu_count() or 1))
+    _init_ray(namespace, config.tensor_parallel_size)
     # After ray.init, which installs its own SIGTERM handler: SIGTERM takes the same clean path as
     # Ctrl-C. SIGINT is set explicitly too: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -166,6 +145,34 @@ def serve_command(namespace: argparse.Namespace) -> int:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _set_local_ray_env(fast_path: bool) -> None:
+    """Before Ray is imported and started: Serve reads these at import time in every process of
+    the cluster, which inherit this environment, and the raylet nices the workers it starts. (On
+    a cluster joined with --ray-address, the environment its nodes were started with decides.)"""
+    from deployments.serve_fast_path import fast_path_env, ray_start_env
+
+    os.environ.update(ray_start_env(os.environ))
+    if fast_path:
+        os.environ.update(fast_path_env(os.environ))
+
+
+def _init_ray(namespace: argparse.Namespace, tensor_parallel_size: int) -> None:
+    import ray
+
+    if namespace.ray_address:
+        ray.init(address=namespace.ray_address)
+        return
+    # Always a fresh local cluster ("local"), never one someone else started here, with enough
+    # logical CPUs for the tensor-parallel placement group asked for (one per rank plus the
+    # replica): on a small machine Ray's default (the core count) would leave it pending forever.
+    from workers.distributed.placement import local_ray_num_cpus
+
+    # No dashboard unless asked for: its head process and ten module processes took ~0.04 cores
+    # of an idle 2-core machine from a CPU engine (docs/performance.md, "Serving-path settings").
+    ray.init(address="local", include_dashboard=namespace.ray_dashboard,
+             num_cpus=local_ray_num_cpus(tensor_parallel_size, os.cpu_count() or 1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from scheduler.config import GPU_MAX_NUM_SEQS
+
 
 class ConfigError(ValueError):
     """A bad application config, with a message that names the offending field(s)."""
@@ -29,6 +31,12 @@ class TpserveConfig(BaseModel):
     model: str | None = None
     # Name clients use in the `model` field; defaults to the folder name of `model`.
     served_model_name: str | None = None
+    # "auto": weights from the model folder's *.safetensors; "dummy": seeded random weights from
+    # config.json alone (workers/model/dummy_weights.py), to serve and benchmark any architecture's
+    # shapes without weight files (the tokenizer is still read from the folder).
+    load_format: Literal["auto", "dummy"] = "auto"
+    # Seed of the dummy weights.
+    dummy_seed: int = Field(default=0, ge=0)
     # Weights/activation dtype: "auto" = bfloat16 on GPU and on CPUs with AVX512-BF16/AMX, else float32.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Longest prompt + output in tokens; None = the model's max_position_embeddings.
@@ -43,7 +51,7 @@ class TpserveConfig(BaseModel):
     max_num_seqs: int = Field(default=64, gt=0)
     # Most tokens one step takes (prefill chunks + decode tokens). 2048, vLLM's CPU server's
     # default: reached at 64 requests with the two fields below (fixed at 1024 before; 2048 gave
-    # 3-15% more tok/s at 64 streams in-process on the 2-core Xeon, README).
+    # 3-15% more tok/s at 64 streams in-process on the 2-core Xeon, docs/performance.md).
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     # The step budget grows with the load: this many tokens per request in the engine (running +
     # waiting), between min_num_batched_tokens and max_num_batched_tokens; 0 = always the max.
@@ -104,6 +112,12 @@ class TpserveConfig(BaseModel):
     request_metrics: bool = False
     # How many finished requests keep their timeline for GET /v1/requests/{id}/timeline.
     timeline_capacity: int = Field(default=1000, ge=0)
+    # OpenTelemetry traces (docs/tracing.md): the OTLP/HTTP endpoint each finished request's
+    # spans go to ("http://otel-collector:4318/v1/traces"); None = tracing off, nothing of
+    # OpenTelemetry loaded. Needs the 'tracing' extra.
+    otlp_traces_endpoint: str | None = Field(default=None, pattern=r"^https?://\S+$")
+    # The spans' service.name.
+    trace_service_name: str = Field(default="tpserve", min_length=1)
     # Seconds between periodic stats log lines while there is work.
     log_stats_interval_s: float = Field(default=5.0, gt=0)
     # A step that takes longer than this fails the engine (dead or hung worker).
@@ -214,7 +228,12 @@ class TpserveConfig(BaseModel):
 
     @model_validator(mode="after")
     def _resolve_backpressure(self) -> "TpserveConfig":
-        engine_room = self.max_num_seqs + self.max_waiting_requests
+        # A GPU replica left to size max_num_seqs itself runs up to GPU_MAX_NUM_SEQS (sized from
+        # free memory inside the replica, after Serve's options are fixed): count that many.
+        seqs = self.max_num_seqs
+        if self.accelerator == "gpu" and "max_num_seqs" not in self.model_fields_set:
+            seqs = max(seqs, GPU_MAX_NUM_SEQS)
+        engine_room = seqs + self.max_waiting_requests
         if self.max_ongoing_requests is None:
             self.max_ongoing_requests = engine_room + ONGOING_HEADROOM
         elif self.max_ongoing_requests <= engine_room:

@@ -23,6 +23,11 @@ class EventType(str, enum.Enum):
     PREEMPTED = "PREEMPTED"
     # A step produced output token(s) for the request; one timestamp per step.
     NEW_TOKENS = "NEW_TOKENS"
+    # A step computed a chunk of the request's prompt (or of its recomputation after a
+    # preemption) and sampled nothing: the prefill goes on in a later step. The chunk that
+    # completes the prefill is marked by its NEW_TOKENS instead. Traces draw one span per chunk;
+    # no interval rule uses it.
+    PREFILL_CHUNK = "PREFILL_CHUNK"
     # Stop, length or abort.
     FINISHED = "FINISHED"
     # Frontend: first token handed to the client (TTFT is measured to here).

@@ -95,9 +95,15 @@ def preemption_stall_times(events: list[RequestEvent]) -> list[float]:
     recomputing): stall = FINISHED - PREEMPTED, since all that time was lost to the preemption.
     A preemption of a still-live request with neither event yet contributes nothing.
     """
+    return [end_ts - start_ts for start_ts, end_ts in preemption_stall_spans(events)]
+
+
+def preemption_stall_spans(events: Iterable[RequestEvent]) -> list[tuple[float, float]]:
+    """(PREEMPTED, end of its stall) per preemption, in time order, by the rule of
+    `preemption_stall_times` (which is their lengths; traces draw the spans themselves)."""
     events = sort_events(events)
     finished_ts = first_ts(events, EventType.FINISHED)
-    stalls: list[float] = []
+    spans: list[tuple[float, float]] = []
     for index, event in enumerate(events):
         if event.type != EventType.PREEMPTED:
             continue
@@ -107,8 +113,8 @@ def preemption_stall_times(events: list[RequestEvent]) -> list[float]:
                 end_ts = later.ts
                 break
         if end_ts is not None:
-            stalls.append(end_ts - event.ts)
-    return stalls
+            spans.append((event.ts, end_ts))
+    return spans
 
 
 def preemption_phase(events_before: Iterable[RequestEvent]) -> PreemptionPhase:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Most requests a GPU replica runs at once when it sizes max_num_seqs itself (vLLM's default on
+# H100/H200-class GPUs): the workers derive up to this, and Serve's per-replica cap counts it.
+GPU_MAX_NUM_SEQS = 256
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

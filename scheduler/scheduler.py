@@ -125,7 +125,7 @@ class Scheduler:
         same prompts, while with few the extra passes are cheap. Hence a budget proportional to
         the requests in the engine, between a floor and max_num_batched_tokens. Measured
         in-process on the 2-core Xeon, default model, bf16, the bench-serve workload, alternated
-        (README): at 16 streams (budget 512) the median TTFT 19-32% below a fixed 1024, at
+        (docs/performance.md): at 16 streams (budget 512) the median TTFT 19-32% below a fixed 1024, at
         0-5% fewer tok/s; at 64 (budget 2048) 3-15% more tok/s than 1024."""
         cfg = self.config
         if cfg.num_batched_tokens_per_request <= 0:
@@ -283,7 +283,9 @@ class Scheduler:
         """Append this step's sampled tokens up to the first that stops the request."""
         sampled = runner_output.sampled_token_ids.get(request.request_id)
         if not sampled:
-            return RequestUpdate(request), None  # a partial prefill chunk
+            # A partial prefill chunk: the prefill goes on next step (traces draw each chunk).
+            request.record(EventType.PREFILL_CHUNK, step_ts)
+            return RequestUpdate(request), None
         accepted: list[int] = []
         status = None
         for token_id in sampled:

@@ -433,5 +433,5 @@ def check_request_events(events: list[RequestEvent], request: Request) -> None:
             running = True
         elif t == EventType.PREEMPTED:
             running = False
-        elif t == EventType.NEW_TOKENS:
+        elif t in (EventType.NEW_TOKENS, EventType.PREFILL_CHUNK):
             assert running, types

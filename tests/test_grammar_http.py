@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -40,7 +39,8 @@ def engine_with_grammars(tokenizer, release: threading.Event, **limits) -> FakeE
 
     manager._compile_uncached = blocked_compile
     engine = FakeEngine()
-    engine.engine = SimpleNamespace(structured_output=manager)
+    # The engine client's compile_grammar, over the real grammar manager.
+    engine.compile_grammar = manager.compile_async
     return engine
 
 

@@ -68,7 +68,7 @@ CLUSTER_SPECIFIC_ARGS = {
     "check_placement_fits",
     # GPU pods may join after the app is built; one machine has what it has ("auto").
     "accelerator",
-    # Cluster-only choices: they pay with several replicas (README "Scale-out"). On one machine,
+    # Cluster-only choices: they pay with several replicas (docs/kubernetes.md). On one machine,
     # one replica: a routing ingress would only add a hop, engine_load needs autoscaling_config,
     # and routing_ingress_resources names a resource (`head_node`) only the cluster's head offers
     # (a local `serve run` would leave the ingress pending forever).

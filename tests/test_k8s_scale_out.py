@@ -31,7 +31,7 @@ from test_k8s_manifests import (
 
 
 def test_rayservice_routes_by_kv_cache_and_scales_on_engine_load():
-    # The measured choices (README "Scale-out"), not Serve's default router and ongoing-requests
+    # The measured choices (docs/kubernetes.md), not Serve's default router and ongoing-requests
     # autoscaling.
     args = TpserveConfig.from_args(only_app(serve_config_v2())["args"])
     assert args.request_router == "kv_aware"

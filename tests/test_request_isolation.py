@@ -220,7 +220,7 @@ def test_a_slow_client_reads_one_merged_output_not_one_per_token(tiny_model, ref
     engine = AsyncEngine(TpserveConfig(model=tiny_model, dtype="float32", kv_cache_memory_gib=0.25))
 
     async def scenario() -> list[RequestOutput]:
-        stream = engine.generate("r0", PROMPTS["r0"], greedy(MAX_TOKENS), time.monotonic())
+        (stream,) = engine.admit([("r0", PROMPTS["r0"], greedy(MAX_TOKENS))], time.monotonic())
         reads = [await anext(stream)]  # admitted; the first output (its prefill) is read
         # The client is busy while the engine runs the request to its end and the event loop
         # hands it the last output. (Waiting on the engine alone races: a step finishes the

@@ -84,9 +84,10 @@ def test_scheduled_new_tokens_finished_at_the_times_they_happen(clock):
     runner = FakeRunner.for_scheduler(sched)
     clock.t = 1.0
     long, short = add_requests(sched, make_request(10, max_tokens=2), make_request(4, max_tokens=2))
-    # Step 1: long takes the whole budget with a partial chunk: admitted, no token.
+    # Step 1: long takes the whole budget with a partial chunk: admitted, no token; the chunk
+    # is stamped with the step's update time (traces draw one span per chunk).
     timed_step(sched, runner, clock, 2.0, 2.5)
-    assert events(long) == [(Q, 1.0), (S, 2.0)]
+    assert events(long) == [(Q, 1.0), (S, 2.0), (EventType.PREFILL_CHUNK, 2.5)]
     assert events(short) == [(Q, 1.0)]
     # Step 2: long finishes its prompt (2 tokens), short is admitted (4): both sample a token,
     # stamped with one time for the step.

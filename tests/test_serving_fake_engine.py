@@ -73,6 +73,9 @@ class FakeEngine:
 
     async def start(self) -> None: ...
 
+    async def compile_grammar(self, spec) -> None:
+        """Every grammar compiles (the real compile bounds: tests/test_grammar_http.py)."""
+
     async def shutdown(self) -> None: ...
 
     def is_healthy(self) -> bool:

@@ -57,7 +57,8 @@ def test_killing_a_worker_mid_generation_ends_requests_with_a_clear_error(ray_cl
 
     async def consume(request_id: str, first_token: asyncio.Event) -> tuple[int, str | None, float]:
         num_tokens, error = 0, None
-        async for out in engine.generate(request_id, PROMPT, params, time.monotonic()):
+        (outputs,) = engine.admit([(request_id, PROMPT, params)], time.monotonic())
+        async for out in outputs:
             num_tokens += len(out.new_token_ids)
             if num_tokens:
                 first_token.set()

@@ -13,19 +13,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine
-from deployments.engine.engine_metrics import EngineMetrics, make_stat_loggers
+from deployments.engine.engine_metrics import EngineMetrics, make_request_tracer, make_stat_loggers
 from deployments.engine.exceptions import (
     SERVER_SHUTTING_DOWN, EngineDeadError, EngineOverloadedError, GrammarCompilerBusy, StructuredOutputError,
 )
 from deployments.engine.outputs import RequestOutput
+from metrics.tracing import TraceHeaders, incoming_trace_headers
 from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputSpec
 from workers.executors.executor import ExecutorError
 
 logger = logging.getLogger("tpserve")
@@ -49,6 +50,8 @@ class PendingAdd:
     grammar: Any | None = None
     # Set when it cannot be queued (its grammar failed to compile): it ends with this message.
     error: str | None = None
+    # The client's W3C trace context, for the request's spans (None: none sent, or tracing off).
+    trace_headers: TraceHeaders | None = None
 
 
 class RequestStream:
@@ -92,7 +95,7 @@ class AsyncEngine:
         # thread and stepping on another leaves two teams, more OpenMP threads than cores, and
         # libgomp then barely spins before sleeping, so every parallel region waits for a
         # wake-up. Measured: decode at batch 1 took 54.6 ms per step that way, 30.4 ms built and
-        # stepped on one thread (bench in README "Performance").
+        # stepped on one thread (docs/performance.md, "Serving-path settings").
         try:
             self.engine = engine or self._step_thread.submit(LLMEngine, config).result()
         except BaseException:
@@ -107,6 +110,7 @@ class AsyncEngine:
         self.metrics = EngineMetrics(
             make_stat_loggers(self.model_name, config, self.max_model_len), config.timeline_capacity,
             frontend_finalizes=True, request_metrics_default=config.request_metrics,
+            tracer=make_request_tracer(config),
         )
         self.metrics.log_startup(self.engine)
         self._streams: dict[str, RequestStream] = {}
@@ -138,6 +142,8 @@ class AsyncEngine:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._step_thread.shutdown(wait=False, cancel_futures=True)
+        # Export the spans tracing still holds, off the loop (a slow collector must not stall it).
+        await asyncio.to_thread(self.metrics.shutdown)
         self.engine.shutdown()
 
     @property
@@ -177,30 +183,33 @@ class AsyncEngine:
         if len(set(ids)) != len(ids) or any(request_id in self._streams for request_id in ids):
             raise ValueError(f"request ids {ids!r} are already in use")
         requests = [self.engine.make_request(rid, prompt, params) for rid, prompt, params in batch]
+        # Set by the HTTP route in this task (docs/tracing.md); only read while tracing is on.
+        trace_headers = incoming_trace_headers.get() if self.metrics.tracer is not None else None
         self._ensure_loop()
         outputs = []
         for request in requests:
             stream = self._streams[request.request_id] = RequestStream()
-            self._queue_add(request, arrival_ts)
+            self._queue_add(request, arrival_ts, trace_headers)
             outputs.append(self._outputs(request.request_id, stream))
         self._wakeup.set()
         return outputs
 
-    def _queue_add(self, request: Request, arrival_ts: float) -> None:
+    def _queue_add(self, request: Request, arrival_ts: float, trace_headers: TraceHeaders | None = None) -> None:
         """Queue for the next iteration; a grammar not in the cache compiles first, on the
         compile threads (the HTTP layer compiled it already, so this is the rare eviction)."""
         spec = request.sampling_params.structured_output
         if spec is None:
-            self._pending_adds.append(PendingAdd(request, arrival_ts))
+            self._pending_adds.append(PendingAdd(request, arrival_ts, trace_headers=trace_headers))
             return
         grammar = self.engine.structured_output.cached(spec)
         if grammar is not None:
-            self._pending_adds.append(PendingAdd(request, arrival_ts, grammar))
+            self._pending_adds.append(PendingAdd(request, arrival_ts, grammar, trace_headers=trace_headers))
             return
         self._compiling[request.request_id] = asyncio.get_running_loop().create_task(
-            self._compile_then_add(request, arrival_ts))
+            self._compile_then_add(request, arrival_ts, trace_headers))
 
-    async def _compile_then_add(self, request: Request, arrival_ts: float) -> None:
+    async def _compile_then_add(self, request: Request, arrival_ts: float,
+                                trace_headers: TraceHeaders | None = None) -> None:
         grammar, error = None, None
         try:
             grammar = await self.engine.structured_output.compile_async(request.sampling_params.structured_output)
@@ -211,19 +220,13 @@ class AsyncEngine:
             error = ADD_FAILED_MESSAGE
         if self._compiling.pop(request.request_id, None) is None:
             return  # released while compiling: nobody reads it
-        self._pending_adds.append(PendingAdd(request, arrival_ts, grammar, error))
+        self._pending_adds.append(PendingAdd(request, arrival_ts, grammar, error, trace_headers))
         if self._wakeup is not None:
             self._wakeup.set()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       arrival_ts: float) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until it finishes. Admission errors raise before the first one."""
-        (outputs,) = self.admit([(request_id, prompt_token_ids, params)], arrival_ts)
-        try:
-            async for out in outputs:
-                yield out
-        finally:
-            await outputs.aclose()
+    async def compile_grammar(self, spec: StructuredOutputSpec) -> None:
+        """Compile (or find cached) a response_format grammar on the compile threads."""
+        await self.engine.structured_output.compile_async(spec)
 
     def release(self, request_ids: Sequence[str]) -> None:
         """End these requests if their outputs are still registered (a consumer that never
@@ -268,17 +271,17 @@ class AsyncEngine:
         adds, self._pending_adds = self._pending_adds, []
         for add in adds:
             request = add.request
-            self.metrics.on_request_added(request.request_id, add.arrival_ts)
+            self.metrics.on_request_added(request.request_id, add.arrival_ts, add.trace_headers)
             if add.error is not None:
-                outputs.append(_error_output(request.request_id, request.num_prompt_tokens, add.error))
+                outputs.append(RequestOutput.aborted(request.request_id, add.error, request.num_prompt_tokens))
                 continue
             try:
                 self.engine.add(request, add.grammar)
             except ValueError as exc:  # the request's own input (the scheduler's words are for clients)
-                outputs.append(_error_output(request.request_id, request.num_prompt_tokens, str(exc)))
+                outputs.append(RequestOutput.aborted(request.request_id, str(exc), request.num_prompt_tokens))
             except Exception:  # noqa: BLE001 - one request that cannot be queued fails alone
                 logger.exception("queueing request %s failed", request.request_id)
-                outputs.append(_error_output(request.request_id, request.num_prompt_tokens, ADD_FAILED_MESSAGE))
+                outputs.append(RequestOutput.aborted(request.request_id, ADD_FAILED_MESSAGE, request.num_prompt_tokens))
         aborts, self._pending_aborts = self._pending_aborts, []
         if aborts:
             outputs.extend(self.engine.abort_requests(aborts))
@@ -346,12 +349,5 @@ class AsyncEngine:
             self._dead_reason = reason
         reason = self._dead_reason
         for request_id, stream in list(self._streams.items()):
-            stream.put(_error_output(request_id, 0, reason))
+            stream.put(RequestOutput.aborted(request_id, reason))
 
-
-def _error_output(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id, new_token_ids=[], new_text="", new_logprobs=None, finished=True,
-        finish_reason="abort", num_prompt_tokens=num_prompt_tokens, num_output_tokens=0,
-        num_cached_tokens=0, error=message,
-    )

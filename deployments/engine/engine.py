@@ -12,7 +12,7 @@ from typing import Any
 
 from deployments.config import TpserveConfig
 from deployments.engine.kv_event_publisher import KVEventPublisher
-from scheduler.admission import AdmissionLimits, check_admission
+from scheduler.admission import check_admission
 from deployments.engine.output_processor import OutputProcessor
 from deployments.engine.outputs import RequestOutput
 from deployments.engine.structured_output import GRAMMAR_FAILED_MESSAGE, GrammarLimits, StructuredOutputManager
@@ -24,7 +24,8 @@ from scheduler.scheduler import RequestUpdate, Scheduler
 from workers.executors.executor import Executor
 from workers.model.generation_defaults import GenerationDefaults, read_generation_defaults
 from workers.model.config import ModelConfig
-from workers.runtime import make_executor, resolve_dtype, set_cpu_threads, worker_device
+from workers.runtime import (STEP_SIZE_FIELDS, StepSizes, gpu_step_defaults, make_executor, resolve_dtype,
+                             resolve_step_sizes, set_cpu_threads, worker_device)
 from workers.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,29 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
         cpu_small_batch_linear=config.cpu_small_batch_linear,
         cpu_prefill_attention=config.cpu_prefill_attention,
         cpu_layer_stack=config.cpu_layer_stack,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        load_format=config.load_format,
+        dummy_seed=config.dummy_seed,
     )
+
+
+def with_gpu_step_sizes(config: TpserveConfig, model_config: ModelConfig) -> TpserveConfig:
+    """On GPU, the step sizes the user left unset are derived from free memory and the model
+    (workers/runtime.py); CPU keeps the configured values."""
+    device = worker_device(config.tensor_parallel_size)
+    dtype_bytes = resolve_dtype(config.dtype, device).itemsize
+
+    def derive() -> StepSizes:
+        import torch
+
+        free = torch.cuda.mem_get_info()[0] if config.tensor_parallel_size == 1 else None
+        return gpu_step_defaults(free, model_config, dtype_bytes, config.tensor_parallel_size,
+                                 config.gpu_memory_utilization)
+
+    sizes = resolve_step_sizes(StepSizes(config.max_num_seqs, config.max_num_batched_tokens,
+                                         config.max_cuda_graph_batch_size, config.max_cuda_graph_tokens),
+                               config.model_fields_set, device, derive)
+    return config.model_copy(update={f: getattr(sizes, f) for f in STEP_SIZE_FIELDS})
 
 
 def merge_eos_token_ids(config_ids: tuple[int, ...], defaults: GenerationDefaults, tokenizer) -> tuple[int, ...]:
@@ -84,6 +107,7 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
         )
         self.served_model_name = config.served_model_name or model_path.rstrip("/").rsplit("/", 1)[-1]
+        config = self.config = with_gpu_step_sizes(config, self.model_config)
         self.worker_config = make_worker_config(config, self.model_config, self.max_model_len)
         self.executor = executor or make_executor(
             self.worker_config, config.tensor_parallel_size, config.placement_strategy,
@@ -96,6 +120,8 @@ class LLMEngine:
                 "(or gpu_memory_utilization)"
             )
         self.executor.init_kv_cache(num_blocks)
+        # A GPU rank caps max_model_len to what its KV cache and its worst step hold (logged there).
+        self.max_model_len = min([self.max_model_len, *(r.max_model_len for r in self.load_reports)])
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -110,8 +136,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config)
         # KV-cache events for prefix-aware routers (docs/kv-events.md); None when off.
         self.kv_event_publisher = KVEventPublisher.from_config(config.kv_events, self.scheduler.kv)
-        # What bounds one request here (the HTTP layer checks against the same object).
-        self.admission_limits = AdmissionLimits(self.max_model_len, (num_blocks - 1) * config.block_size)
+        # What bounds one request here (the scheduler's rule; the HTTP layer checks the same object).
+        self.admission_limits = self.scheduler.admission_limits
         # What the model's generation_config.json asks for where a request is silent.
         self.generation_defaults = read_generation_defaults(model_path, config.generation_config)
         self.eos_token_ids = merge_eos_token_ids(self.model_config.eos_token_ids, self.generation_defaults,

@@ -29,6 +29,7 @@ from metrics.prometheus_logger import PrometheusStatLogger
 from metrics.stat_logger import StatLogger, StatLoggerFanout
 from metrics.stats import IterationStats
 from metrics.timeline import TimelineStore
+from metrics.tracing import FinishedRequestTrace, RequestTracer, TraceHeaders, make_otlp_request_tracer
 
 logger = logging.getLogger("tpserve")
 
@@ -49,6 +50,8 @@ class RequestRecord:
     # The frontend reported RESPONDED before the engine reported FINISHED (a disconnect: the
     # abort is applied at the next step); finalize as soon as FINISHED arrives.
     responded: bool = False
+    # The client's W3C trace context (traceparent), kept only while tracing is on.
+    trace_headers: TraceHeaders | None = None
 
 
 def make_stat_loggers(model_name: str, config: TpserveConfig, max_model_len: int) -> list[StatLogger]:
@@ -70,9 +73,17 @@ def make_stat_loggers(model_name: str, config: TpserveConfig, max_model_len: int
     return loggers
 
 
+def make_request_tracer(config: TpserveConfig) -> RequestTracer | None:
+    """The replica's OpenTelemetry tracer (docs/tracing.md): spans of each finished request sent
+    over OTLP/HTTP to `otlp_traces_endpoint`; None (tracing off, nothing loaded) without one."""
+    if config.otlp_traces_endpoint is None:
+        return None
+    return make_otlp_request_tracer(config.otlp_traces_endpoint, config.trace_service_name)
+
+
 class EngineMetrics:
     def __init__(self, loggers: list[StatLogger], timeline_capacity: int, frontend_finalizes: bool,
-                 request_metrics_default: bool = False) -> None:
+                 request_metrics_default: bool = False, tracer: RequestTracer | None = None) -> None:
         self.loggers = loggers
         # Every logger call goes through it; a logger that raises is logged, never propagated.
         self._fanout = StatLoggerFanout(loggers, isolate_errors=True)
@@ -85,6 +96,8 @@ class EngineMetrics:
         self._awaiting_response: OrderedDict[str, None] = OrderedDict()
         # The engine's scheduler, from log_startup: state gauges after changes outside a step.
         self._scheduler = None
+        # Emits each finalized request's spans (docs/tracing.md); None = tracing off.
+        self.tracer = tracer
 
     # ---- startup ------------------------------------------------------------------------
     def log_startup(self, engine) -> None:
@@ -102,6 +115,13 @@ class EngineMetrics:
                                  cfg.enable_prefix_caching, engine.worker_config.dtype)
         self._scheduler = engine.scheduler
         self._cache_config_info = info
+        if self.tracer is not None:
+            # Every rank runs every step of every request (SPMD): all of them work for each one.
+            self.tracer.request_attributes.update({
+                "gen_ai.response.model": engine.served_model_name,
+                "tpserve.tensor_parallel_size": tp,
+                "tpserve.tp_ranks": [report.rank for report in engine.load_reports],
+            })
         # The gauges describe the empty cache from the start, not zero blocks until a first step.
         self.refresh_gauges()
 
@@ -115,10 +135,13 @@ class EngineMetrics:
         self._fanout.record_state(self._scheduler.state_stats())
 
     # ---- per step -----------------------------------------------------------------------
-    def on_request_added(self, request_id: str, arrival_ts: float | None) -> None:
+    def on_request_added(self, request_id: str, arrival_ts: float | None,
+                         trace_headers: TraceHeaders | None = None) -> None:
         record = self._records.setdefault(request_id, RequestRecord())
         if arrival_ts is not None:
             record.events.append(RequestEvent(EventType.ARRIVED, arrival_ts))
+        if self.tracer is not None:
+            record.trace_headers = trace_headers
 
     def on_step(self, outputs: list[RequestOutput], iteration: IterationStats | None) -> None:
         """One engine step (`iteration`), or outputs produced between steps (iteration None:
@@ -170,6 +193,8 @@ class EngineMetrics:
         stats = make_finished_stats(record.events, record.finish_reason, record.num_prompt_tokens,
                                     record.num_output_tokens, record.num_cached_tokens)
         self._fanout.record_finished(stats)
+        if self.tracer is not None:
+            self._trace(request_id, record)
         self.timelines.add(
             request_id,
             record.events,
@@ -181,6 +206,28 @@ class EngineMetrics:
             },
             num_generation_tokens=record.num_output_tokens,
         )
+
+    def _trace(self, request_id: str, record: RequestRecord) -> None:
+        try:
+            self.tracer.record(FinishedRequestTrace(
+                request_id=request_id,
+                events=record.events,
+                finish_reason=record.finish_reason,
+                num_prompt_tokens=record.num_prompt_tokens,
+                num_generation_tokens=record.num_output_tokens,
+                num_cached_prompt_tokens=record.num_cached_tokens,
+                trace_headers=record.trace_headers,
+            ))
+        except Exception:  # noqa: BLE001 - tracing, like every metric, must never stop the engine
+            logger.warning("tracing request %s failed", request_id, exc_info=True)
+
+    def shutdown(self) -> None:
+        """Flush what tracing still holds (the engine is going away)."""
+        if self.tracer is not None:
+            try:
+                self.tracer.shutdown()
+            except Exception:  # noqa: BLE001 - shutting down goes on regardless
+                logger.warning("flushing traces failed", exc_info=True)
 
     def request_metrics(self, request_id: str) -> dict | None:
         """The per-request `metrics` object (section-2 intervals in seconds) as of now. A response

@@ -99,12 +99,9 @@ class OutputProcessor:
         self._detokenizers.pop(request.request_id, None)
         self._prompt_logprobs.pop(request.request_id, None)
         request.error = message
-        return RequestOutput(
-            request_id=request.request_id, new_token_ids=[], new_text="", new_logprobs=None,
-            finished=True, finish_reason="abort", num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_prompt_tokens,
-            new_events=request.take_events(), error=message,
-        )
+        return RequestOutput.aborted(request.request_id, message, request.num_prompt_tokens,
+                                     request.num_output_tokens, request.num_cached_prompt_tokens,
+                                     request.take_events())
 
     def _decode_logprobs(self, logprobs: list[SampledLogprobs] | None) -> list[PositionLogprobs] | None:
         if not logprobs:

@@ -66,6 +66,15 @@ class RequestOutput:
     # first, else the actual token first, then the top-N not already listed.
     prompt_logprobs: list[list[PromptTokenLogprob] | None] | None = None
 
+    @classmethod
+    def aborted(cls, request_id: str, message: str, num_prompt_tokens: int = 0, num_output_tokens: int = 0,
+                num_cached_tokens: int = 0, new_events: list[RequestEvent] | None = None) -> "RequestOutput":
+        """The final output of a request the engine ended with an error (finish_reason "abort"):
+        the one way every path (a failed step, a failed add, a dead engine) builds it."""
+        return cls(request_id=request_id, new_token_ids=[], new_text="", new_logprobs=None, finished=True,
+                   finish_reason="abort", num_prompt_tokens=num_prompt_tokens, num_output_tokens=num_output_tokens,
+                   num_cached_tokens=num_cached_tokens, new_events=new_events or [], error=message)
+
     def merge(self, later: "RequestOutput") -> None:
         """Fold the next output of the same request into this one (a consumer slower than the
         engine then reads one output carrying everything since its last read)."""

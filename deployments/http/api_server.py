@@ -21,6 +21,8 @@ from typing import Any, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from metrics.tracing import incoming_trace_headers, trace_headers_from
+from deployments.engine.client import EngineClient
 from deployments.config import TpserveConfig
 from deployments.http.body import parse_body
 from deployments.http.errors import APIError, install_error_handlers, model_not_found, not_found
@@ -41,18 +43,18 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 logger = logging.getLogger("tpserve")
 
 
-def engine_config(engine: Any) -> TpserveConfig:
+def engine_config(engine: EngineClient) -> TpserveConfig:
     """The engine's config; an engine without one (test doubles) gets the defaults."""
     config = getattr(engine, "config", None)
     return config if isinstance(config, TpserveConfig) else TpserveConfig()
 
 
-def vocab_size_of(engine: Any) -> int:
+def vocab_size_of(engine: EngineClient) -> int:
     """Ids below this are valid everywhere: the tokenizer's size, capped by the model's vocabulary."""
     return min(len(engine.tokenizer), engine.vocab_size)
 
 
-def make_api(engine: Any, health: HealthMonitor | None = None) -> FastAPI:
+def make_api(engine: EngineClient, health: HealthMonitor | None = None) -> FastAPI:
     """The HTTP app over `engine` (an AsyncEngine, or any object with its interface). `health`:
     the monitor /health reads (the Serve replica shares it with its check_health); None = a new one."""
     config = engine_config(engine)
@@ -90,7 +92,7 @@ def apply_tenant_salt(body: SamplingRequest, request: Request, salt_header: str 
         body.cache_salt = tenant_cache_salt(request.headers.get(salt_header), body.cache_salt)
 
 
-def add_openai_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: concurrent.futures.Executor,
+def add_openai_routes(app: FastAPI, engine: EngineClient, limits: RequestLimits, pool: concurrent.futures.Executor,
                       config: TpserveConfig | None = None) -> None:
     """POST /v1/completions and /v1/chat/completions: bodies parsed and prompts tokenized on `pool`;
     each response bounded by its deadline, its prefix cache salted by tenant when configured."""
@@ -104,6 +106,7 @@ def add_openai_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: co
     async def create_completion(request: Request) -> Response:
         # ARRIVED: before the body is read and tokenized (TTFT and e2e start here).
         arrival_ts = now()
+        incoming_trace_headers.set(trace_headers_from(request.headers))
         body = await parse_body(request, CompletionRequest, limits.max_request_body_bytes, limits.max_json_depth, pool)
         apply_tenant_salt(body, request, config.cache_salt_header)
         deadline_s = request_deadline_s(config.request_timeout_s, body.request_timeout_s)
@@ -112,6 +115,7 @@ def add_openai_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: co
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         arrival_ts = now()
+        incoming_trace_headers.set(trace_headers_from(request.headers))
         body = await parse_body(
             request, ChatCompletionRequest, limits.max_request_body_bytes, limits.max_json_depth, pool
         )
@@ -120,7 +124,7 @@ def add_openai_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: co
         return await within_deadline(chat.create(body, arrival_ts), deadline_s, now() - arrival_ts)
 
 
-def add_model_routes(app: FastAPI, engine: Any) -> None:
+def add_model_routes(app: FastAPI, engine: EngineClient) -> None:
     """GET /v1/models and /v1/models/{id}: the one served model."""
     started = created_ts()
 
@@ -144,7 +148,7 @@ def add_model_routes(app: FastAPI, engine: Any) -> None:
         return model_card()
 
 
-def add_operations_routes(app: FastAPI, engine: Any, health: HealthMonitor) -> None:
+def add_operations_routes(app: FastAPI, engine: EngineClient, health: HealthMonitor) -> None:
     """GET /health, /metrics and /v1/requests/{id}/timeline."""
 
     @app.get("/health")

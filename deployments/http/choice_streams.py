@@ -6,7 +6,7 @@ choice (the common case) is read straight from the engine's generator, with no t
 between; several choices each need a task that forwards into one queue, since one consumer
 cannot await several generators at once. Whatever happens to the HTTP request (client gone,
 error, cancellation), every engine request it started is closed, which makes
-`AsyncEngine.generate()` abort it and free its KV blocks; then, and only then, the engine's
+the generator from `AsyncEngine.admit()` abort its request and free its KV blocks; then, and only then, the engine's
 metrics are told the request was responded to.
 """
 
@@ -16,11 +16,11 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from deployments.engine.client import EngineClient
 from deployments.engine.outputs import RequestOutput
 from deployments.http.errors import from_engine_exception
 from scheduler.sampling_params import SamplingParams
@@ -86,7 +86,7 @@ _Item = tuple[int, RequestOutput | None, BaseException | None]
 class ChoiceStreams:
     """Runs one engine request per choice and yields `(choice index, output)` as they come."""
 
-    def __init__(self, engine: Any, specs: Sequence[ChoiceSpec], arrival_ts: float) -> None:
+    def __init__(self, engine: EngineClient, specs: Sequence[ChoiceSpec], arrival_ts: float) -> None:
         self._engine = engine
         self._specs = list(specs)
         # All choices admitted together or none: a refusal (queue full, engine dead, too long)

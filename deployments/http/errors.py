@@ -110,7 +110,7 @@ def internal_error() -> APIError:
 
 
 def from_engine_exception(exc: BaseException) -> APIError:
-    """Map what AsyncEngine.generate() raises (or fails a request with) to a response."""
+    """Map what AsyncEngine.admit() raises (or fails a request with) to a response."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineOverloadedError):

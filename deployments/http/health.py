@@ -13,7 +13,8 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from typing import Any
+
+from deployments.engine.client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ _STALE_AFTER_INTERVALS = 5
 class HealthMonitor:
     """Pings the engine on a thread every `interval_s`; `healthy` is the last answer."""
 
-    def __init__(self, engine: Any, interval_s: float, timeout_s: float | None = None) -> None:
+    def __init__(self, engine: EngineClient, interval_s: float, timeout_s: float | None = None) -> None:
         self._engine = engine
         # Seconds between pings.
         self.interval_s = interval_s

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.engine.client import EngineClient
 from deployments.engine.exceptions import GrammarCompilerBusy, StructuredOutputError
 from deployments.http.errors import OVERLOAD_RETRY_AFTER_S, APIError, bad_request
 from scheduler.sampling_params import StructuredOutputSpec
@@ -65,15 +66,15 @@ def compiler_busy(exc: GrammarCompilerBusy) -> APIError:
                     headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
 
 
-async def check_response_format(request: Any, engine: Any) -> None:
-    """`request`: a protocol SamplingRequest; `engine`: the AsyncEngine (its LLMEngine compiles).
+async def check_response_format(request: Any, engine: EngineClient) -> None:
+    """`request`: a protocol SamplingRequest.
     A schema that is too large, invalid or too slow to compile is a 400 naming response_format;
     compile threads all stuck in overdue compiles is a 503."""
     spec = request.response_format.to_spec() if request.response_format else None
     if spec is None:
         return
     try:
-        await engine.engine.structured_output.compile_async(spec)
+        await engine.compile_grammar(spec)
     except StructuredOutputError as exc:
         raise bad_request(str(exc), "response_format") from None
     except GrammarCompilerBusy as exc:

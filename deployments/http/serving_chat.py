@@ -13,6 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from scheduler.admission import resolve_max_tokens
+from deployments.engine.client import EngineClient
 from deployments.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from deployments.http.response_format import check_response_format
 from deployments.http.choice_streams import EngineStreamResponse
@@ -40,7 +41,7 @@ def chat_logprob_entries(positions: list[PositionLogprobs]) -> list[dict[str, An
 class ChatServing:
     """Serves /v1/chat/completions on one AsyncEngine."""
 
-    def __init__(self, engine: Any, limits: RequestLimits, prompts: PromptTokenizer, vocab_size: int) -> None:
+    def __init__(self, engine: EngineClient, limits: RequestLimits, prompts: PromptTokenizer, vocab_size: int) -> None:
         self.engine = engine
         # Caps on one request (config).
         self.limits = limits

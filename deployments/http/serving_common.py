@@ -18,6 +18,7 @@ import orjson
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from deployments.engine.client import EngineClient
 from deployments.http.choice_streams import ChoiceSpec, ChoiceStreams, EngineStreamResponse, make_choice_specs
 from deployments.engine.exceptions import EngineDeadError
 from deployments.http.errors import APIError, from_engine_exception
@@ -104,7 +105,7 @@ class ResponseRun:
     # The validated request body.
     request: SamplingRequest
     # The engine (for metrics and first-token marks).
-    engine: Any
+    engine: EngineClient
     # Fields every body and chunk starts with: id, object, created, model.
     header: dict[str, Any]
     # The engine requests behind the choices.
@@ -117,7 +118,7 @@ class ResponseRun:
     @classmethod
     def create(
         cls,
-        engine: Any,
+        engine: EngineClient,
         request: SamplingRequest,
         id_prefix: str,
         object_name: str,

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from scheduler.admission import resolve_max_tokens
+from deployments.engine.client import EngineClient
 from deployments.engine.outputs import PositionLogprobs, PromptTokenLogprob, RequestOutput
 from deployments.http.response_format import check_response_format
 from deployments.http.choice_streams import EngineStreamResponse
@@ -106,7 +107,7 @@ def prompt_logprobs_json(entries: list[list[PromptTokenLogprob] | None]) -> list
 class CompletionServing:
     """Serves /v1/completions on one AsyncEngine."""
 
-    def __init__(self, engine: Any, limits: RequestLimits, prompts: PromptTokenizer, vocab_size: int) -> None:
+    def __init__(self, engine: EngineClient, limits: RequestLimits, prompts: PromptTokenizer, vocab_size: int) -> None:
         self.engine = engine
         # Caps on one request (config).
         self.limits = limits

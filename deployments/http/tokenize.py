@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deployments.engine.client import EngineClient
 from deployments.http.body import parse_body
 from deployments.http.errors import bad_request
 from deployments.http.prompts import PromptChecks, PromptTokenizer
@@ -59,7 +60,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=1_000_000)
 
 
-def add_tokenize_routes(app: FastAPI, engine: Any, limits: RequestLimits, pool: Executor, vocab_size: int) -> None:
+def add_tokenize_routes(app: FastAPI, engine: EngineClient, limits: RequestLimits, pool: Executor, vocab_size: int) -> None:
     prompts = PromptTokenizer(engine.tokenizer, pool)
     tokenizer = engine.tokenizer
 
