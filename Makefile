@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tpserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install kernels serve test test-cluster prometheus bench bench-deps bench-offline bench-serve bench-tp bench-breakdown model gpu-prepare soak clean
+.PHONY: install kernels serve test test-cluster prometheus bench bench-deps bench-offline bench-serve bench-llamacpp-build bench-tp bench-breakdown bench-kernels model gpu-prepare soak clean
 
 install: $(STAMP) model kernels
 
@@ -51,28 +51,43 @@ SOAK_ARGS ?=
 soak: install
 	$(PY) -m bench.soak $(SOAK_ARGS)
 
+# Benchmarks (bench/README.md): online = over HTTP, offline = the engine in process, kernels = one op.
 bench: install bench-offline bench-serve bench-tp bench-breakdown
 
-# Benchmark-only tools (py-spy for bench.served_step_breakdown).
+# Benchmark-only tools (py-spy for bench.online.served_step_breakdown; sentencepiece for llama.cpp's
+# GGUF converter).
 bench-deps: install
 	$(PIP) install -q -e '.[test,bench]'
 
 bench-offline: install
-	$(PY) -m bench.offline_throughput
+	$(PY) -m bench.offline.offline_throughput
 
-# tpserve vs vLLM's CPU build at 1, 16 and 64 streams plus the offline engines (issue 11), both in
-# the dtype tpserve's auto picks on this CPU (bfloat16 with AVX512-BF16/AMX, else float32).
-# BENCH_SERVE_ARGS="--dtype bfloat16" to force one.
+# llama.cpp's server for bench-serve, once: the llama-cpp-python sdist's vendored llama.cpp built
+# CPU-only at nice 19 (several minutes on 2 cores), then the default model as a GGUF, all under
+# $$TPSERVE_CACHE/llama.cpp/ (outside the repository). Never part of `make test`.
+bench-llamacpp-build: bench-deps
+	$(PY) -m bench.peers.llamacpp_peer build
+	$(PY) -m bench.peers.llamacpp_peer convert --dtype $$($(PY) -c "from bench.online.serve_compare import concrete_dtype; print(concrete_dtype('auto'))")
+
+# tpserve vs vLLM's CPU build vs llama.cpp's server at 1, 16 and 64 streams plus the offline
+# engines, all in the dtype tpserve's auto picks on this CPU (bfloat16 with AVX512-BF16/AMX, else
+# float32). BENCH_SERVE_ARGS="--dtype bfloat16" to force one; "--client vllm-bench" to load them
+# with `vllm bench serve` (add "--vllm-bench-dataset sharegpt" for chat-shaped lengths).
 BENCH_SERVE_ARGS ?=
-bench-serve: install
-	$(PY) -m bench.serve_compare $(BENCH_SERVE_ARGS)
+bench-serve: install bench-llamacpp-build
+	$(PY) -m bench.online.serve_compare $(BENCH_SERVE_ARGS)
 
-# Where a served token's time goes at 16 streams (README "Performance").
+# Where a served token's time goes at 16 streams (docs/performance.md).
 bench-breakdown: bench-deps
-	$(PY) -m bench.served_step_breakdown
+	$(PY) -m bench.online.served_step_breakdown
 
 bench-tp:
-	$(PY) -m bench.tp_dispatch
+	$(PY) -m bench.offline.tp_dispatch
+
+# The CPU kernels alone against their references (docs/cpu-kernels.md).
+bench-kernels: install
+	$(PY) -m bench.kernels.projection_kernels
+	$(PY) -m bench.kernels.prefill_attention_kernel
 
 # What tests/gpu/device_check.sh needs on the GPU machine, into git-ignored folders that the
 # device tool carries: .gpu_assets/ (SmolLM2's config + tokenizer) and .whl/ (wheels the GPU image

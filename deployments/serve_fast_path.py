@@ -32,7 +32,7 @@ Apart from the fast path, and whether or not HAProxy exists (`ray_start_env`):
   1 stream 32.9 -> 36.3. The raylet reads it when it starts workers, so it belongs where Ray starts.
 - `RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1.0`: Serve's controller reconciles every
   0.1 s by default, each pass a few ms of Python and calls into the GCS, and every wake-up
-  preempts one of the engine's threads. Measured on the 2-core EPYC (`bench.served_step_breakdown
+  preempts one of the engine's threads. Measured on the 2-core EPYC (`bench.online.served_step_breakdown
   --concurrency 1`, default / 1.0 alternated x2): controller 0.036 -> 0.013 cores and the GCS
   0.015 -> 0.007; median TTFT 1,557 -> 1,302 and 1,430 -> 1,316 ms, median ITL 43.3 -> 39.6 and
   40.9 -> 39.9 ms. The cost is a controller that notices changes up to a second later (replica

@@ -1,4 +1,4 @@
-"""bench.serve_load against a tiny fake OpenAI-compatible SSE server (no model), and workload seeding.
+"""bench.online.serve_load against a tiny fake OpenAI-compatible SSE server (no model), and workload seeding.
 
 The fake server sleeps known gaps before each chunk, so the client's TTFT/ITL must reflect chunk
 arrival times. Bounds are generous: CI machines are shared and slow.
@@ -22,8 +22,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from bench import serve_load, workload
-from bench.serve_load import LoadConfig, run_load
+from bench import workload
+from bench.online import serve_load
+from bench.online.serve_load import LoadConfig, run_load
 from bench.workload import BenchRequest
 
 TTFT_S = 0.15  # the fake server waits this long before the first chunk
@@ -112,6 +113,25 @@ def test_load_against_fake_server(fake_server):
     assert out["output_token_throughput"] == pytest.approx(30 / out["duration_s"])
 
 
+def test_goodput_counts_requests_within_both_service_levels(fake_server):
+    """Goodput = completed requests whose TTFT and TPOT both meet the service levels, per second.
+    The fake server's sleeps bound TTFT (>= 150 ms) and TPOT (>= 40 ms) from below, so a level
+    under either bound admits no request, and loose levels admit every completed one."""
+    reqs = [BenchRequest(f"prompt {i}", 7, 5) for i in range(4)] + [BenchRequest("FAIL", 1, 5)]
+
+    def run(ttft_ms, tpot_ms):
+        return asyncio.run(run_load(LoadConfig(base_url=fake_server, requests=reqs, num_prompts=5, warmup=0,
+                                               max_duration_s=30, goodput_ttft_ms=ttft_ms, goodput_tpot_ms=tpot_ms)))
+
+    loose = run(20_000, 5_000)
+    assert loose["goodput_slos_ms"] == {"ttft": 20_000, "tpot": 5_000}
+    assert loose["good_requests"] == 4  # the failed request never counts
+    assert loose["request_goodput"] == pytest.approx(4 / loose["duration_s"])
+    for ttft_ms, tpot_ms in ((TTFT_S * 1000 * 0.5, 5_000), (20_000, GAP_S * 1000 * 0.5)):
+        tight = run(ttft_ms, tpot_ms)
+        assert tight["completed"] == 4 and tight["good_requests"] == 0 and tight["request_goodput"] == 0
+
+
 def test_poisson_rate_and_time_cap(fake_server):
     reqs = [BenchRequest(f"p{i}", 7, 3) for i in range(4)]
     # 2 req/s Poisson: the arrivals alone spread the run out over roughly 1.5 s on average.
@@ -160,7 +180,7 @@ def test_bench_dtype_auto_is_the_engines_auto_on_this_cpu(monkeypatch):
     """serve_compare's `--dtype auto` gives both servers the dtype tpserve's auto picks: bfloat16
     only where the CPU has bf16 instructions (elsewhere bf16 matmuls are emulated), and an
     explicit dtype passes through unchanged."""
-    from bench.serve_compare import concrete_dtype
+    from bench.online.serve_compare import concrete_dtype
     from workers import runtime
 
     monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda *_: True)
@@ -175,7 +195,7 @@ def test_workloads_differ_between_levels_and_rounds():
     level in a round is the same list for both servers (built once)."""
     from types import SimpleNamespace
 
-    from bench.serve_compare import make_workloads
+    from bench.online.serve_compare import make_workloads
 
     tok = _tiny_tokenizer()
     args = SimpleNamespace(prompts_per_stream=1, input_len_min=10, input_len_max=30, output_len=8, seed=0)
@@ -188,7 +208,7 @@ def test_workloads_differ_between_levels_and_rounds():
 
 
 def test_alternate_rounds_swaps_the_order_and_averages_each_level():
-    from bench.serve_compare import alternate_rounds
+    from bench.online.serve_compare import alternate_rounds
 
     calls = []
     figures = iter([100.0, 50.0, 70.0, 150.0])  # tpserve 100, vllm 50 in round 0; vllm 70, tpserve 150 in round 1
@@ -214,12 +234,13 @@ def test_alternate_rounds_swaps_the_order_and_averages_each_level():
 def test_serve_compare_rounds_against_a_running_server(fake_server, tmp_path):
     """--rounds 2 against an already running server (the fake one), vLLM skipped: two rounds in
     the output and the level's mean, and exit status 0."""
-    from bench import serve_compare
+    from bench.online import serve_compare
 
     _tiny_tokenizer().save_pretrained(tmp_path / "tok")
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = serve_compare.main(["--model-dir", str(tmp_path / "tok"), "--skip", "vllm", "--tpserve-base-url",
+        rc = serve_compare.main(["--model-dir", str(tmp_path / "tok"), "--skip", "vllm", "--skip", "llamacpp",
+                                 "--tpserve-base-url",
                                  fake_server, "--skip-offline", "--rounds", "2", "--pause-s", "0",
                                  "--concurrencies", "2", "--prompts-per-stream", "4", "--input-len-min", "5",
                                  "--input-len-max", "9", "--output-len", "2", "--dtype", "float32"])

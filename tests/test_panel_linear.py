@@ -162,7 +162,7 @@ def test_calibration_times_both_kernels_until_the_first_loss():
 
 
 def test_projection_kernels_bench_reports_both_kernels_per_row_count():
-    from bench.projection_kernels import time_kernels
+    from bench.kernels.projection_kernels import time_kernels
 
     # Shapes large enough that a pass's GFLOP/s is not rounded to 0.0 even on a loaded machine
     # (2 x 7 rows x 2 layers x 98k weights: 2.8 MFLOP; 0.1 GFLOP/s would be 28 ms).

@@ -17,7 +17,7 @@ import time
 import pytest
 import ray
 
-from bench.tp_dispatch import BenchRayExecutor
+from bench.offline.tp_dispatch import BenchRayExecutor
 from deployments.engine.async_engine import AsyncEngine
 from deployments.config import TpserveConfig
 from deployments.engine.engine import LLMEngine, make_worker_config

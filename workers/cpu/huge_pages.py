@@ -4,7 +4,7 @@ cache and the projection weights' packed copies.
 Why: on 4 KB pages every 4 KB of a cold read is a TLB miss, and in a VM a miss walks two page
 tables. Decode attention reads each (request, KV head)'s context as 4 KB runs scattered over the
 cache, and the projections stream ~425 MB of weights per step. Measured on the 2-core Zen 3 EPYC
-(2026-12-04, `python -m bench.huge_pages_ab`, alternated in one process, median of 8 passes):
+(alternated in one process, median of 8 passes; docs/cpu-kernels.md):
 decode attention over 30 layers of cold caches, 64 x 300-token contexts, 72.2 -> 69.3 ms;
 panel_linear over 30 cold layers 20.8 -> 19.6 ms at 1 row, 38.9 -> 36.2 at 16, 113.0 -> 111.8 at
 64. A plain C++ read of random 4 KB runs went 8-10 -> 12-14 GB/s with the same change.
@@ -13,8 +13,7 @@ torch's own switch for this (`THP_MEM_ALLOC_ENABLE=1`) is read once per process,
 here runs, and applies to every allocation of 2 MB or more; these buffers are mapped here instead
 and handed to torch with `torch.frombuffer` (the tensor keeps the mapping alive). Where the kernel
 has no transparent huge pages (`never`) or the platform no `madvise`, the mapping stays on 4 KB
-pages: it is the same memory, only slower. `TPSERVE_HUGE_PAGES=0` keeps the allocator's pages (for
-A/B measurements).
+pages: it is the same memory, only slower.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 
 import torch
 
@@ -34,13 +32,11 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE_BYTES = 2 << 20
 # Each tensor carved from an arena starts on a cache line (the kernels' 32-byte aligned loads).
 ARENA_ALIGN = 64
-# Set to "0" to use torch's allocator instead.
-ENV_HUGE_PAGES = "TPSERVE_HUGE_PAGES"
 
 
 def enabled() -> bool:
-    """Whether CPU buffers go on huge pages (Linux's madvise present, not switched off)."""
-    return os.environ.get(ENV_HUGE_PAGES, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+    """Whether CPU buffers go on huge pages: wherever the platform has madvise(MADV_HUGEPAGE)."""
+    return hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def huge_page_bytes(nbytes: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ Per-step dispatch, sending only the SchedulerOutput deltas of the step: no Ray c
 the engine broadcasts the pickled SchedulerOutput to every rank over a gloo control group of its
 own (engine + workers, one collective in a fixed 16 KiB buffer) and rank 0 sends its output back
 point to point; every wait blocks. Two alternatives the config cannot select are kept in
-bench/tp_dispatch.py (`BenchRayExecutor`) to measure against: a Ray Compiled Graph
-(shared-memory channels) and one Ray call per rank per step. Measured by bench/tp_dispatch.py on the 2-core dev machine (load ~4), TP=2, median overhead
+bench/offline/tp_dispatch.py (`BenchRayExecutor`) to measure against: a Ray Compiled Graph
+(shared-memory channels) and one Ray call per rank per step. Measured by bench/offline/tp_dispatch.py on the 2-core dev machine (load ~4), TP=2, median overhead
 (step wall time minus the slowest rank's execute time) at 128 / 2048-token contexts: gloo
 0.82 / 0.81 ms, compiled graph 1.11 / 1.64 ms, remote 3.05 / 2.98 ms. The compiled graph's
 channels also poll (~0.3 core per idle actor, and the engine's reader while a step runs), which

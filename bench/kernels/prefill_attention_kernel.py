@@ -3,8 +3,8 @@ prefill_attention.cpp) against torch's SDPA on the same step: the default model'
 3 KV, head_dim 64), every chunk a whole prompt at position 0 in scattered 16-token blocks, one
 call per layer as the layer loop makes it, alternated, median of `--repeats` calls each.
 
-    .venv/bin/python -m bench.prefill_attention_kernel                    # 8 prompts, 2,048 tokens
-    .venv/bin/python -m bench.prefill_attention_kernel --prompts 1000     # one 1,000-token prompt
+    .venv/bin/python -m bench.kernels.prefill_attention_kernel                    # 8 prompts, 2,048 tokens
+    .venv/bin/python -m bench.kernels.prefill_attention_kernel --prompts 1000     # one 1,000-token prompt
 
 Prints one JSON object: ms per call, GFLOP/s of the causal FLOPs (4 x heads x head_dim x the
 (query, key) pairs a causal mask keeps), and SDPA's time over the kernel's (> 1: kernel faster).

@@ -1,13 +1,22 @@
-"""tpserve vs vLLM (CPU build) over HTTP: same machine, same model, same workload, one at a time.
+"""tpserve vs vLLM (CPU build) vs llama.cpp's server over HTTP: same machine, same model, same
+workload, one at a time.
 
-    python -m bench.serve_compare            # `make bench-serve`
-    python -m bench.serve_compare --tpserve-base-url http://127.0.0.1:8000   # an already running tpserve
+    python -m bench.online.serve_compare            # `make bench-serve`
+    python -m bench.online.serve_compare --tpserve-base-url http://127.0.0.1:8000   # an already running tpserve
+    python -m bench.online.serve_compare --client vllm-bench --vllm-bench-dataset sharegpt   # vLLM's client
 
-Starts `tpserve serve` on a free port, runs bench.serve_load against it, stops it; then the same
-for the vLLM peer (bench.vllm_peer, installed into its own venv on first use). By default the
-servers never run at the same time, so neither steals the other's cores (`--rounds`: below). Prints one JSON object: the workload,
-both results, and tpserve/vLLM ratios (throughput: higher is better for tpserve; TTFT and TPOT:
-lower is better). Every server it started is stopped on the way out, whatever happens.
+Starts `tpserve serve` on a free port, runs bench.online.serve_load against it, stops it; then the same
+for the vLLM peer (bench.peers.vllm_peer, installed into its own venv on first use) and the
+llama.cpp peer (bench.peers.llamacpp_peer: built from source and the model converted to a GGUF on
+first use; one server per level with `--parallel` = that level's streams, continuous batching on).
+By default the servers never run at the same time, so none steals another's cores (`--rounds`:
+below). Prints one JSON object: the workload, every server's results, and tpserve/peer ratios per
+peer (throughput: higher is better for tpserve; TTFT and TPOT: lower is better). Every server it
+started is stopped on the way out, whatever happens.
+
+`--client vllm-bench` loads the servers with `vllm bench serve` (bench.online.vllm_bench_client,
+from the vLLM venv) instead of tpserve's own tool, on its random dataset or a ShareGPT-shaped one
+built from local text; both clients report goodput under the same TTFT / TPOT service levels.
 
 Each server is started once and loaded at every level of `--concurrencies` (default 1, 16, 64
 streams; `--prompts-per-stream` prompts per stream, at least 8, the same seeded prompts for both
@@ -17,7 +26,7 @@ second round repeated the first, so a server's prefix cache answered prompts it 
 them the larger its cache (vLLM's 1-stream median TTFT fell from 869 to 243 ms in round two;
 tpserve's, with a 2 GiB cache that the 64-stream level had refilled, stayed at 556-588 ms).
 Before the servers, the offline engines run on the 16-stream level's
-workload (`bench.offline_compare`: tpserve's LLMEngine vs vLLM's LLM.generate), the third column.
+workload (`bench.offline.offline_compare`: tpserve's LLMEngine vs vLLM's LLM.generate), the third column.
 
 `--rounds N` (N > 1) is for machines whose speed drifts within minutes (a shared VM: the same
 vLLM gave 154 and 245 tok/s at 16 streams ten minutes apart), where one run of each server an
@@ -38,57 +47,99 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-from bench import vllm_peer
-from bench.serve_load import LoadConfig, run_load
+from bench.online import vllm_bench_client
+from bench.online.serve_load import LoadConfig, run_load
+from bench.peers import llamacpp_peer, vllm_peer
+from bench.peers.managed_server import ManagedServer, launch
 from bench.workload import load_tokenizer, random_requests
 from workers.cpu.kernels import cpuinfo_field
 from workers.distributed.ports import free_port
 
-logger = logging.getLogger("bench.serve_compare")
-REPO = Path(__file__).resolve().parent.parent
+logger = logging.getLogger("bench.online.serve_compare")
+REPO = Path(__file__).resolve().parents[2]
+PEERS = ("tpserve", "vllm", "llamacpp")
+# Peers started once per level (their concurrency is a start-up setting), not once per run.
+PER_LEVEL = frozenset({"llamacpp"})
 
 
-def start_tpserve(model_dir: Path | None, args: argparse.Namespace) -> vllm_peer.ManagedServer:
+def start_tpserve(model_dir: Path | None, args: argparse.Namespace) -> ManagedServer:
     port = free_port()
     exe = Path(args.tpserve_bin) if args.tpserve_bin else REPO / ".venv" / "bin" / "tpserve"
-    # Same dtype on both servers: the comparison is of engines, not of number formats.
+    # Same dtype on every server: the comparison is of engines, not of number formats.
     cmd = [str(exe), "serve", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
            "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
     if model_dir is not None:
         cmd += ["--model", str(model_dir)]
     cmd += args.tpserve_arg
     # /health answers once the replica's engine is up, not merely once Ray's proxy is.
-    return vllm_peer.launch(cmd, dict(os.environ), port, None, "tpserve", "/health", args.startup_timeout)
+    return launch(cmd, dict(os.environ), port, None, "tpserve", "/health", args.startup_timeout)
 
 
-def start_vllm(model_dir: Path, args: argparse.Namespace) -> vllm_peer.ManagedServer:
+def start_vllm(model_dir: Path, args: argparse.Namespace) -> ManagedServer:
     return vllm_peer.start_vllm_server(
         model_dir, max_model_len=args.max_model_len, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         omp_threads_bind=args.vllm_omp_bind, startup_timeout_s=args.startup_timeout,
     )
 
 
-def bench_one(name: str, start, base_url: str | None, workloads: dict[int, list], args) -> dict:
-    """Run every level against `base_url`, or against a server `start()` brings up and we stop."""
+def start_llamacpp(model_dir: Path, streams: int, args: argparse.Namespace) -> ManagedServer:
+    return llamacpp_peer.start_llamacpp_server(model_dir, parallel=streams, dtype=args.dtype,
+                                               max_model_len=args.max_model_len,
+                                               startup_timeout_s=args.startup_timeout)
+
+
+def load_level(base_url: str, concurrency: int, requests: list, args, seed: int) -> dict:
+    """One level's load on one server, by the chosen client."""
+    if args.client == "tpserve":
+        cfg = LoadConfig(base_url=base_url, requests=requests, num_prompts=len(requests),
+                         max_concurrency=concurrency, request_rate=args.request_rate, ignore_eos=True,
+                         seed=args.seed, max_duration_s=args.max_duration,
+                         goodput_ttft_ms=args.goodput_ttft_ms, goodput_tpot_ms=args.goodput_tpot_ms)
+        return asyncio.run(run_load(cfg))
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as scratch:
+        dataset_path = None
+        out: dict = {}
+        if args.vllm_bench_dataset == "sharegpt":
+            dataset_path = str(Path(scratch) / "sharegpt.json")
+            out["dataset_sha256"] = vllm_bench_client.write_sharegpt_dataset(dataset_path, len(requests), seed)
+        run = vllm_bench_client.VllmBenchRun(
+            base_url=base_url, model=vllm_bench_client.served_model(base_url),
+            tokenizer_dir=str(args.tokenizer_dir), dataset=args.vllm_bench_dataset, dataset_path=dataset_path,
+            num_prompts=len(requests), max_concurrency=concurrency, request_rate=args.request_rate,
+            input_len_min=args.input_len_min, input_len_max=args.input_len_max, output_len=args.output_len,
+            seed=seed, goodput_ttft_ms=args.goodput_ttft_ms, goodput_tpot_ms=args.goodput_tpot_ms,
+            result_dir=scratch, result_filename="result.json")
+        return out | vllm_bench_client.run_vllm_bench(run, vllm_peer.ensure_vllm_venv(), args.max_duration)
+
+
+def bench_one(name: str, start: Callable[[int], ManagedServer], base_url: str | None, workloads: dict[int, list],
+              args, round_index: int = 0) -> dict:
+    """Run every level against `base_url`, or against a server `start(streams)` brings up and we
+    stop: once for all levels, or once per level for a peer in PER_LEVEL."""
+    per_level = base_url is None and name in PER_LEVEL
     server = None
     results: dict = {}
     try:
-        if base_url is None:
-            server = start()
+        if base_url is None and not per_level:
+            server = start(max(workloads))
             base_url = server.base_url
             results["server_log"] = str(server.log_path)
         for concurrency, requests in workloads.items():
-            cfg = LoadConfig(base_url=base_url, requests=requests, num_prompts=len(requests),
-                             max_concurrency=concurrency, request_rate=args.request_rate,
-                             ignore_eos=True, seed=args.seed, max_duration_s=args.max_duration)
             logger.info("%s: %d streams, %d prompts", name, concurrency, len(requests))
-            results[str(concurrency)] = asyncio.run(run_load(cfg))
+            seed = workload_seed(args.seed, concurrency, round_index)
+            if per_level:
+                with start(concurrency) as level_server:
+                    results.setdefault("server_logs", {})[str(concurrency)] = str(level_server.log_path)
+                    results[str(concurrency)] = load_level(level_server.base_url, concurrency, requests, args, seed)
+            else:
+                results[str(concurrency)] = load_level(base_url, concurrency, requests, args, seed)
         return results
-    except Exception as exc:  # one side failing still leaves the other's figures to report
+    except Exception as exc:  # one side failing still leaves the others' figures to report
         logger.exception("%s benchmark failed", name)
         return {**results, "error": f"{type(exc).__name__}: {exc}"[:2000]}
     finally:
@@ -130,22 +181,22 @@ def alternate_rounds(base_urls: dict[str, str], rounds: int, run_levels: Callabl
     return out
 
 
-def bench_rounds(starters: dict[str, Callable], base_urls: dict[str, str | None], workloads: list[dict[int, list]],
-                 args) -> dict[str, dict]:
-    """Both servers up at once (started here unless given), then alternate_rounds over them, round
-    r loading workloads[r]."""
+def bench_rounds(starters: dict[str, Callable[[int], ManagedServer]], base_urls: dict[str, str | None],
+                 workloads: list[dict[int, list]], args) -> dict[str, dict]:
+    """Every server up at once (started here unless given; a PER_LEVEL peer is started for each of
+    its turns instead), then alternate_rounds over them, round r loading workloads[r]."""
     servers = []
     try:
-        urls = {}
+        urls: dict[str, str | None] = {}
         for name, start in starters.items():
-            if base_urls.get(name):
-                urls[name] = base_urls[name]
+            if base_urls.get(name) or name in PER_LEVEL:
+                urls[name] = base_urls.get(name)
                 continue
-            server = start()
+            server = start(max(workloads[0]))
             servers.append(server)
             urls[name] = server.base_url
         return alternate_rounds(urls, args.rounds,
-                                lambda name, url, r: bench_one(name, None, url, workloads[r], args),
+                                lambda name, url, r: bench_one(name, starters[name], url, workloads[r], args, r),
                                 pause_s=args.pause_s)
     finally:
         for server in servers:
@@ -153,7 +204,7 @@ def bench_rounds(starters: dict[str, Callable], base_urls: dict[str, str | None]
 
 
 def run_offline(model_dir: Path, default_model: bool, requests, tokenizer, args) -> dict:
-    from bench.offline_compare import run_tpserve_offline, run_vllm_offline, workload_ids
+    from bench.offline.offline_compare import run_tpserve_offline, run_vllm_offline, workload_ids
 
     workload = workload_ids(tokenizer, requests)
     out: dict = {}
@@ -179,7 +230,7 @@ def ratio(a: dict, b: dict, key: str) -> float | None:
 
 
 def level_ratios(t: dict, v: dict) -> dict:
-    """tpserve / vLLM per level: throughput > 1 and TTFT/TPOT < 1 are better for tpserve."""
+    """tpserve / a peer per level: throughput > 1 and TTFT/TPOT < 1 are better for tpserve."""
     return {
         level: {key: ratio(t.get(level, {}), v.get(level, {}), key)
                 for key in ("output_token_throughput", "median_ttft_ms", "median_tpot_ms")}
@@ -207,6 +258,8 @@ def describe_workloads(model_dir: Path, workloads: dict[int, list], args) -> dic
         "levels": {str(c): len(r) for c, r in workloads.items()},
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "seed": args.seed,
         "prompt_seeds": "seed + 1000 x streams + 1000000 x round: no level or round repeats another's prompts",
+        "client": "tpserve serve_load" if args.client == "tpserve" else f"vllm bench serve, {args.vllm_bench_dataset}",
+        "goodput_slos_ms": {"ttft": args.goodput_ttft_ms, "tpot": args.goodput_tpot_ms},
     }
 
 
@@ -246,10 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=900, help="cap on each server start, seconds")
     p.add_argument("--tpserve-base-url", default=None, help="use this running tpserve instead of starting one")
     p.add_argument("--vllm-base-url", default=None, help="use this running vLLM instead of starting one")
+    p.add_argument("--llamacpp-base-url", default=None,
+                   help="use this running llama-server (its --parallel should match the one level loaded)")
     p.add_argument("--tpserve-bin", default=None, help="default: .venv/bin/tpserve")
     p.add_argument("--tpserve-arg", action="append", default=[], help="extra `tpserve serve` argument (repeat)")
     p.add_argument("--vllm-omp-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (default: all our CPUs)")
-    p.add_argument("--skip", choices=["tpserve", "vllm"], action="append", default=[])
+    p.add_argument("--skip", choices=list(PEERS), action="append", default=[])
+    p.add_argument("--client", choices=["tpserve", "vllm-bench"], default="tpserve",
+                   help="load generator: tpserve's bench.online.serve_load, or `vllm bench serve` from the vLLM venv")
+    p.add_argument("--vllm-bench-dataset", choices=list(vllm_bench_client.DATASETS), default="random",
+                   help="with --client vllm-bench: vLLM's random prompts, or a ShareGPT-shaped file from local text")
+    p.add_argument("--goodput-ttft-ms", type=float, default=1000.0, help="goodput's TTFT service level")
+    p.add_argument("--goodput-tpot-ms", type=float, default=100.0, help="goodput's TPOT service level")
     p.add_argument("--rounds", type=int, default=1,
                    help="> 1: both servers up, every level loaded on each in alternation this many times (means)")
     p.add_argument("--pause-s", type=float, default=3.0, help="with --rounds: idle seconds before each turn")
@@ -264,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.model.default_model import ensure_default_model
 
     model_dir = Path(args.model_dir) if args.model_dir else ensure_default_model()
+    args.tokenizer_dir = model_dir
     tokenizer = load_tokenizer(model_dir)
     levels = [int(c) for c in args.concurrencies.split(",")]
     workloads = make_workloads(tokenizer, levels, args)
@@ -273,22 +335,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_offline:
         offline_reqs = workloads[16] if 16 in workloads else workloads[levels[-1]]
         out["offline"] = run_offline(model_dir, args.model_dir is None, offline_reqs, tokenizer, args)
-    starters = {"tpserve": lambda: start_tpserve(None if args.model_dir is None else model_dir, args),
-                "vllm": lambda: start_vllm(model_dir, args)}
+    starters = {"tpserve": lambda streams: start_tpserve(None if args.model_dir is None else model_dir, args),
+                "vllm": lambda streams: start_vllm(model_dir, args),
+                "llamacpp": lambda streams: start_llamacpp(model_dir, streams, args)}
     starters = {name: start for name, start in starters.items() if name not in args.skip and not args.offline_only}
-    base_urls = {"tpserve": args.tpserve_base_url, "vllm": args.vllm_base_url}
+    base_urls = {"tpserve": args.tpserve_base_url, "vllm": args.vllm_base_url, "llamacpp": args.llamacpp_base_url}
     if args.rounds > 1:
         rounds = [workloads] + [make_workloads(tokenizer, levels, args, r) for r in range(1, args.rounds)]
         out.update(bench_rounds(starters, base_urls, rounds, args))
     else:
         for name, start in starters.items():
             out[name] = bench_one(name, start, base_urls[name], workloads, args)
-    out["ratios_tpserve_over_vllm"] = level_ratios(out.get("tpserve", {}), out.get("vllm", {}))
+    for peer in PEERS[1:]:
+        if peer in out:
+            out[f"ratios_tpserve_over_{peer}"] = level_ratios(out.get("tpserve", {}), out[peer])
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    ok = all(out[k][str(c)].get("completed") for k in ("tpserve", "vllm") if k in out
+    ok = all(out[k][str(c)].get("completed") for k in PEERS if k in out
              for c in levels if str(c) in out[k])
     return 0 if ok else 1
 

@@ -1,9 +1,9 @@
 """Where a served token's time goes: tpserve under streaming load, measured from inside.
 
-    python -m bench.served_step_breakdown [--concurrency 16] [--dtype auto] [--window 20]
+    python -m bench.online.served_step_breakdown [--concurrency 16] [--dtype auto] [--window 20]
         [--tpserve-arg=--foo ...]
 
-Starts `tpserve serve` (as bench.serve_compare does), loads it with `--concurrency` streams of the
+Starts `tpserve serve` (as bench.online.serve_compare does), loads it with `--concurrency` streams of the
 serve_compare workload, and over a `--window`-second stretch of steady load records:
 
 - the engine's own step timings from /metrics (iteration and model-forward histograms): per step,
@@ -32,10 +32,11 @@ from pathlib import Path
 
 import httpx
 
-from bench import proc_cpu, vllm_peer
-from bench.serve_compare import concrete_dtype, make_workloads, start_tpserve
-from bench.serve_load import LoadConfig, run_load
-from bench.stack_categories import categorize, thread_names
+from bench.online import proc_cpu
+from bench.peers.managed_server import ManagedServer, marked_pids
+from bench.online.serve_compare import concrete_dtype, make_workloads, start_tpserve
+from bench.online.serve_load import LoadConfig, run_load
+from bench.online.stack_categories import categorize, thread_names
 from bench.workload import load_tokenizer
 
 STEP_HISTOGRAMS = ("tpserve_iteration_duration_seconds", "tpserve_model_forward_duration_seconds")
@@ -79,8 +80,8 @@ def replica_pid(pids: list[int]) -> int:
     raise RuntimeError("no ServeReplica process among the server's processes")
 
 
-def measure_window(server: vllm_peer.ManagedServer, window_s: float, rate: int) -> dict:
-    pids = vllm_peer.marked_pids(server.marker)
+def measure_window(server: ManagedServer, window_s: float, rate: int) -> dict:
+    pids = marked_pids(server.marker)
     replica = replica_pid(pids)
     metrics_url = f"{server.base_url}/metrics"
     with tempfile.NamedTemporaryFile(suffix=".txt") as raw:

@@ -6,11 +6,13 @@ Each request is a streaming `/v1/completions` call. Per request we time, on the 
         streams per token; a server that batches tokens into chunks shows fewer, larger gaps);
   TPOT  (e2e - TTFT) / (output_tokens - 1), output_tokens from the final `usage` chunk;
   e2e   until the stream ends.
+Goodput, as `vllm bench serve --goodput ttft:1000 tpot:100` counts it: completed requests whose TTFT
+and TPOT both meet the service levels (--goodput-ttft-ms, --goodput-tpot-ms), per second of the run.
 Arrivals are Poisson at --request-rate (inf = all at once), capped by --max-concurrency.
 The run is bounded: --num-prompts is capped and the whole run stops after --max-duration seconds
 (unfinished requests count as failed). Prints one JSON object on stdout.
 
-    python -m bench.serve_load --base-url http://127.0.0.1:8000 --num-prompts 32 --max-concurrency 8
+    python -m bench.online.serve_load --base-url http://127.0.0.1:8000 --num-prompts 32 --max-concurrency 8
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class LoadConfig:
     warmup: int = 1  # untimed requests first, so one-off start costs don't land in the figures
     max_duration_s: float = 600.0
     request_timeout_s: float = 300.0
+    goodput_ttft_ms: float = 1000.0  # service level: a good request's first token within this
+    goodput_tpot_ms: float = 100.0  # service level: a good request's mean gap per later token within this
 
 
 @dataclass
@@ -164,6 +168,18 @@ def _stats(name: str, seconds: list[float]) -> dict[str, float]:
     }
 
 
+def request_tpot(r: RequestResult) -> float:
+    """Seconds per output token after the first; 0 for a one-token answer (as vLLM counts it)."""
+    return (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+
+
+def goodput(ok: list[RequestResult], duration: float, ttft_ms: float, tpot_ms: float) -> dict:
+    """Completed requests within both service levels, per second (vLLM's `request_goodput`)."""
+    good = sum(1 for r in ok if r.ttft * 1000.0 <= ttft_ms and request_tpot(r) * 1000.0 <= tpot_ms)
+    return {"goodput_slos_ms": {"ttft": ttft_ms, "tpot": tpot_ms}, "good_requests": good,
+            "request_goodput": good / duration}
+
+
 def summarize(results: list[RequestResult], duration: float, cfg: LoadConfig, model: str) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -185,10 +201,11 @@ def summarize(results: list[RequestResult], duration: float, cfg: LoadConfig, mo
         "total_token_throughput": (in_tokens + out_tokens) / duration,
     }
     summary |= _stats("ttft", [r.ttft for r in ok])
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpot = [request_tpot(r) for r in ok if r.output_tokens > 1]
     summary |= _stats("tpot", tpot)
     summary |= _stats("itl", [g for r in ok for g in r.itl])
     summary |= _stats("e2e", [r.e2e for r in ok])
+    summary |= goodput(ok, duration, cfg.goodput_ttft_ms, cfg.goodput_tpot_ms)
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         summary["errors"] = errors[:5]
@@ -260,6 +277,8 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--max-duration", type=float, default=d.max_duration_s, dest="max_duration_s")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s, dest="request_timeout_s")
+    p.add_argument("--goodput-ttft-ms", type=float, default=d.goodput_ttft_ms, help="goodput's TTFT service level")
+    p.add_argument("--goodput-tpot-ms", type=float, default=d.goodput_tpot_ms, help="goodput's TPOT service level")
     a = p.parse_args(argv)
     if a.num_prompts < 1 or a.num_prompts > MAX_PROMPTS:
         p.error(f"--num-prompts must be in [1, {MAX_PROMPTS}]")

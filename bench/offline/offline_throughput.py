@@ -4,7 +4,7 @@ Prints one JSON object: output tokens/s of each, their ratio, the engine's per-s
 (step time minus model-forward time, as a fraction of step time) at high occupancy, and the
 cost of metrics (engine with stat loggers on vs off).
 
-    python -m bench.offline_throughput [--num-requests 64] [--hf-batch-size 16] [--skip-hf]
+    python -m bench.offline.offline_throughput [--num-requests 64] [--hf-batch-size 16] [--skip-hf]
 """
 
 from __future__ import annotations

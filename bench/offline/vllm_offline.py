@@ -1,6 +1,6 @@
 """vLLM's offline `LLM.generate` on a workload file: run by the vLLM venv's python, not tpserve's.
 
-    <vllm-venv>/bin/python bench/vllm_offline.py WORKLOAD.json --dtype float32 --max-model-len 2048
+    <vllm-venv>/bin/python bench/offline/vllm_offline.py WORKLOAD.json --dtype float32 --max-model-len 2048
 
 WORKLOAD.json: {"model": DIR, "requests": [{"prompt_token_ids": [...], "max_tokens": N}, ...]}.
 Greedy, ignore_eos, so every request produces exactly max_tokens. A warm-up pass over the first

@@ -2,8 +2,8 @@
 over the default model's projection shapes for 30 layers of distinct random weights (cache-cold,
 as in a step), alternated, fastest of `--repeats` passes per kernel and row count.
 
-    .venv/bin/python -m bench.projection_kernels                      # rows 1,4,8,16,32,64,256
-    .venv/bin/python -m bench.projection_kernels --rows 512,1024 --layers 6
+    .venv/bin/python -m bench.kernels.projection_kernels                      # rows 1,4,8,16,32,64,256
+    .venv/bin/python -m bench.kernels.projection_kernels --rows 512,1024 --layers 6
 
 Prints one JSON object: per row count each kernel's ms per pass and GFLOP/s, and oneDNN's time over
 panel_linear's (> 1: panel_linear faster). The README's panel_linear table came from this loop.

@@ -2,8 +2,8 @@
 length (a decode-only step), then the same batch with one new prompt chunk (a mixed step), each
 under torch's profiler, by op. No Ray, no HTTP.
 
-    .venv/bin/python -m bench.step_anatomy                          # 16 requests, 280-token prompts
-    .venv/bin/python -m bench.step_anatomy --requests 64 --prompt-len 300 --chunk-len 0
+    .venv/bin/python -m bench.offline.step_anatomy                          # 16 requests, 280-token prompts
+    .venv/bin/python -m bench.offline.step_anatomy --requests 64 --prompt-len 300 --chunk-len 0
 
 Prints the decode-only step's median wall time and forward time, then the profiler's top ops of 3
 decode-only steps and of the mixed step (the README's "decode step at 16 requests" figures).

@@ -1,6 +1,6 @@
 """Per-step dispatch overhead of the executors, as JSON.
 
-    python -m bench.tp_dispatch [--model PATH] [--steps 50] [--batch 4]
+    python -m bench.offline.tp_dispatch [--model PATH] [--steps 50] [--batch 4]
 
 The default model is a random-weight Llama written on first use (8 heads / 4 KV heads so TP=2
 divides it, 4 layers: short forwards keep the dispatch visible); any HF Llama folder works.

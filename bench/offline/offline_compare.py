@@ -2,7 +2,7 @@
 
 Both get the same prompt token ids and output lengths (greedy, ignore_eos), the same dtype,
 max_num_seqs and max_model_len, each alone on the machine with a warm-up pass first. Used by
-`bench.serve_compare` as the third column of `make bench-serve`.
+`bench.online.serve_compare` as the third column of `make bench-serve`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench import vllm_peer
+from bench.peers import vllm_peer
 
-logger = logging.getLogger("bench.offline_compare")
+logger = logging.getLogger("bench.offline.offline_compare")
 _VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_offline.py"
 
 
@@ -26,7 +26,7 @@ def workload_ids(tokenizer, requests) -> list[tuple[list[int], int]]:
 
 def run_tpserve_offline(model_dir: Path | None, workload, dtype: str, max_model_len: int,
                         max_num_seqs: int) -> dict:
-    from bench.offline_throughput import run_engine
+    from bench.offline.offline_throughput import run_engine
     from deployments.config import TpserveConfig
     from deployments.engine.engine import LLMEngine
 
