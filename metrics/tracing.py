@@ -144,20 +144,7 @@ def plan_request_spans(request: FinishedRequestTrace) -> list[PlannedSpan]:
     if end_ts is None:
         end_ts = events[-1].ts
 
-    root = PlannedSpan(REQUEST_SPAN_NAME, arrived_ts, end_ts, None, {
-        "gen_ai.request.id": request.request_id,
-        "gen_ai.usage.input_tokens": request.num_prompt_tokens,
-        "gen_ai.usage.output_tokens": request.num_generation_tokens,
-        "gen_ai.response.finish_reasons": [request.finish_reason],
-        "tpserve.cached_prompt_tokens": request.num_cached_prompt_tokens,
-        **_latency_attributes(events, request.num_generation_tokens),
-    })
-    spans = [root]
-    for event in events:
-        if event.type == EventType.FIRST_TOKEN_SENT:
-            root.events.append(("first_token_sent", event.ts, {}))
-        elif event.type == EventType.FINISHED:
-            root.events.append(("finished", event.ts, {"finish_reason": request.finish_reason}))
+    spans = [_request_span(request, events, arrived_ts, end_ts)]
 
     def add(span: PlannedSpan) -> int:
         spans.append(span)
@@ -176,6 +163,31 @@ def plan_request_spans(request: FinishedRequestTrace) -> list[PlannedSpan]:
         decode = add(PlannedSpan("decode", token_ts[0], token_ts[-1], 0,
                                  {"tpserve.generated_tokens": request.num_generation_tokens}))
 
+    _add_preemptions_and_chunks(events, prefill, decode, add)
+    return spans
+
+
+def _request_span(request: FinishedRequestTrace, events: list[RequestEvent], arrived_ts: float,
+                  end_ts: float) -> PlannedSpan:
+    """The root span: the whole request, with its first-token and finish events."""
+    root = PlannedSpan(REQUEST_SPAN_NAME, arrived_ts, end_ts, None, {
+        "gen_ai.request.id": request.request_id,
+        "gen_ai.usage.input_tokens": request.num_prompt_tokens,
+        "gen_ai.usage.output_tokens": request.num_generation_tokens,
+        "gen_ai.response.finish_reasons": [request.finish_reason],
+        "tpserve.cached_prompt_tokens": request.num_cached_prompt_tokens,
+        **_latency_attributes(events, request.num_generation_tokens),
+    })
+    for event in events:
+        if event.type == EventType.FIRST_TOKEN_SENT:
+            root.events.append(("first_token_sent", event.ts, {}))
+        elif event.type == EventType.FINISHED:
+            root.events.append(("finished", event.ts, {"finish_reason": request.finish_reason}))
+    return root
+
+
+def _add_preemptions_and_chunks(events: list[RequestEvent], prefill: int | None, decode: int | None, add) -> None:
+    """The preemption spans (with their requeued / recompute children) and every prefill chunk."""
     # Which span a scheduling's prefill chunks belong to, by the index of its SCHEDULED event:
     # the first scheduling's to prefill, a rescheduling's to the recompute span of the
     # preemption it ends (any other, which the scheduler never records: the request span).
@@ -201,7 +213,6 @@ def plan_request_spans(request: FinishedRequestTrace) -> list[PlannedSpan]:
                 PlannedSpan("recompute", events[rescheduled].ts, stall_end_ts, preemption))
 
     _add_prefill_chunks(events, chunk_parent_by_scheduling, add)
-    return spans
 
 
 def _add_prefill_chunks(events: list[RequestEvent], parent_by_scheduling: dict[int, int], add) -> None:

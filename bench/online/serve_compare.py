@@ -274,11 +274,24 @@ def concrete_dtype(name: str) -> str:
     return str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
 
 
+def run_servers(model_dir: Path, tokenizer, levels: list[int], workloads: dict[int, list], args) -> dict:
+    """Each server's results per level: one after the other, or alternated over --rounds."""
+    starters = {"tpserve": lambda streams: start_tpserve(None if args.model_dir is None else model_dir, args),
+                "vllm": lambda streams: start_vllm(model_dir, args),
+                "llamacpp": lambda streams: start_llamacpp(model_dir, streams, args)}
+    starters = {name: start for name, start in starters.items() if name not in args.skip and not args.offline_only}
+    base_urls = {"tpserve": args.tpserve_base_url, "vllm": args.vllm_base_url, "llamacpp": args.llamacpp_base_url}
+    if args.rounds > 1:
+        rounds = [workloads] + [make_workloads(tokenizer, levels, args, r) for r in range(1, args.rounds)]
+        return bench_rounds(starters, base_urls, rounds, args)
+    return {name: bench_one(name, start, base_urls[name], workloads, args) for name, start in starters.items()}
+
+
 def _interrupt(_signum, _frame):
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=None, help="HF folder (default: tpserve's default model)")
     p.add_argument("--concurrencies", default="1,16,64", help="comma-separated stream counts")
@@ -315,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="> 1: both servers up, every level loaded on each in alternation this many times (means)")
     p.add_argument("--pause-s", type=float, default=3.0, help="with --rounds: idle seconds before each turn")
     p.add_argument("--out", default=None, help="also write the JSON here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     args.dtype = concrete_dtype(args.dtype)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -335,17 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_offline:
         offline_reqs = workloads[16] if 16 in workloads else workloads[levels[-1]]
         out["offline"] = run_offline(model_dir, args.model_dir is None, offline_reqs, tokenizer, args)
-    starters = {"tpserve": lambda streams: start_tpserve(None if args.model_dir is None else model_dir, args),
-                "vllm": lambda streams: start_vllm(model_dir, args),
-                "llamacpp": lambda streams: start_llamacpp(model_dir, streams, args)}
-    starters = {name: start for name, start in starters.items() if name not in args.skip and not args.offline_only}
-    base_urls = {"tpserve": args.tpserve_base_url, "vllm": args.vllm_base_url, "llamacpp": args.llamacpp_base_url}
-    if args.rounds > 1:
-        rounds = [workloads] + [make_workloads(tokenizer, levels, args, r) for r in range(1, args.rounds)]
-        out.update(bench_rounds(starters, base_urls, rounds, args))
-    else:
-        for name, start in starters.items():
-            out[name] = bench_one(name, start, base_urls[name], workloads, args)
+    out.update(run_servers(model_dir, tokenizer, levels, workloads, args))
     for peer in PEERS[1:]:
         if peer in out:
             out[f"ratios_tpserve_over_{peer}"] = level_ratios(out.get("tpserve", {}), out[peer])
