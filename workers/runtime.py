@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from scheduler.config import GPU_MAX_NUM_SEQS
 from workers.cpu.kernels import cpu_flags
 from workers.executors.executor import Executor
 from workers.model.config import ModelConfig
@@ -69,8 +70,8 @@ def make_executor(worker_config: WorkerConfig, tensor_parallel_size: int, placem
 # The step fields `gpu_step_defaults` derives when the device is CUDA and the user left them unset.
 # On CPU the configured defaults stand exactly as they are (64 / 2048 / 256 / 2048).
 STEP_SIZE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_cuda_graph_batch_size", "max_cuda_graph_tokens")
-# vLLM's defaults on large GPUs (H100/H200 class, its OpenAI server): 256 sequences, 8192 tokens.
-GPU_MAX_NUM_SEQS = 256
+# vLLM's defaults on large GPUs (H100/H200 class, its OpenAI server): 256 sequences (GPU_MAX_NUM_SEQS,
+# scheduler/config.py), 8192 tokens.
 GPU_MAX_BATCHED_TOKENS = 8192
 # Fewest sequences and tokens a GPU default goes down to (a GPU barely larger than the weights).
 GPU_MIN_NUM_SEQS = 16
