@@ -14,5 +14,8 @@ from workers.cpu import kernels
 # The platforms tpserve ships its CPU kernels for.
 REQUIRED = sys.platform == "linux" and platform.machine() == "x86_64"
 
-requires_kernels = pytest.mark.skipif(not REQUIRED and not kernels.load(),
+# Loaded here, at collection: the kernel tests call torch.ops.tpserve_cpu directly.
+LOADED = kernels.load()
+
+requires_kernels = pytest.mark.skipif(not REQUIRED and not LOADED,
                                       reason="tpserve's CPU kernels are optional off x86-64 Linux and did not load")

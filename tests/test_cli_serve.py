@@ -17,7 +17,7 @@ import pytest
 # Serve's defaults per deployment (graceful_shutdown_timeout_s: when the controller force-kills).
 from ray.serve._private.config import DeploymentConfig
 
-from bench import vllm_peer
+from bench.peers import managed_server
 from model_fixtures import make_tiny_llama
 from workers.distributed.ports import free_port
 
@@ -32,7 +32,7 @@ def gauge(metrics_text: str, name: str) -> float:
 
 def named_processes(marker: str, comm: str) -> list[int]:
     pids = []
-    for pid in vllm_peer.marked_pids(marker):
+    for pid in managed_server.marked_pids(marker):
         try:
             with open(f"/proc/{pid}/comm") as f:
                 if f.read().strip() == comm:
@@ -58,10 +58,10 @@ def test_serve_streams_frees_a_cut_stream_and_exits_cleanly_on_ctrl_c(tmp_path, 
            "--max-model-len", "256", "--kv-cache-memory-gib", "0.05",
            "--ray-serve-fast-path" if fast_path else "--no-ray-serve-fast-path"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
-    server = vllm_peer.launch(cmd, env, port, tmp_path / "serve.log", "tpserve-cli", "/health", 300)
+    server = managed_server.launch(cmd, env, port, tmp_path / "serve.log", "tpserve-cli", "/health", 300)
     try:
         assert bool(named_processes(server.marker, "haproxy")) == fast_path, "the fast path decides the ingress"
-        replicas = [pid for pid in vllm_peer.marked_pids(server.marker) if "ServeReplica" in cmdline(pid)]
+        replicas = [pid for pid in managed_server.marked_pids(server.marker) if "ServeReplica" in cmdline(pid)]
         assert replicas and all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in replicas), \
             "the replica must run at normal priority, not Ray's default nice 15"
         with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
@@ -98,8 +98,8 @@ def test_serve_streams_frees_a_cut_stream_and_exits_cleanly_on_ctrl_c(tmp_path, 
         assert time.monotonic() - stopping < bound_s, server.log_tail()
         assert "failed to shut down" not in server.log_tail()
         deadline = time.monotonic() + 30
-        while vllm_peer.marked_pids(server.marker) and time.monotonic() < deadline:
+        while managed_server.marked_pids(server.marker) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert vllm_peer.marked_pids(server.marker) == [], "Ctrl-C left processes behind"
+        assert managed_server.marked_pids(server.marker) == [], "Ctrl-C left processes behind"
     finally:
         server.stop(grace_s=10)

@@ -18,7 +18,8 @@ from metrics.definitions import (
     make_buckets,
     time_buckets,
 )
-from metrics.loggers import PrometheusStatLogger, RayStatLogger
+from metrics.prometheus_logger import PrometheusStatLogger
+from metrics.ray_logger import RayStatLogger
 from metrics.startup import cache_config_info
 from metrics.stats import FinishedRequestStats, IterationStats, KVCacheSnapshot, SchedulerStats
 from workers.distributed.ports import free_port

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from metrics.loggers import LoggingStatLogger, StatLogger, StatLoggerFanout
+from metrics.logging_logger import LoggingStatLogger
+from metrics.stat_logger import StatLogger, StatLoggerFanout
 from metrics.startup import (
     GIB,
     cache_config_info,

@@ -118,12 +118,19 @@ else
     MODEL=$(timeout 60 "$PY" tests/gpu/gpu_helpers.py model-path) || { echo "no model"; exit 1; }
     export TPSERVE_GPU_MODEL=$MODEL
     echo "model: $MODEL  ($(( $(date +%s) - START )) s)"
-    TEST_PATHS=(tests/gpu tests/test_triton_paged_attention.py)
+    TEST_PATHS=(tests/gpu tests/test_triton_paged_attention.py tests/test_triton_prefill.py
+                tests/test_triton_fused.py tests/test_triton_decode_dot.py)
 fi
 timeout 170 "$PY" -m pytest "${TEST_PATHS[@]}" -q -rs -p no:cacheprovider -o timeout=150 \
     --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 echo "tests rc=$TESTS_RC  ($(( $(date +%s) - START )) s)"
+
+# Kernels per decode step, torch ops vs the fused CUDA backend (torch profiler; needs CUDA).
+if (( ! DRY_RUN )); then
+    timeout 60 "$PY" -m bench.kernels.decode_kernel_count --batch 8 --context 512 \
+        > "$OUT/decode_kernel_count.json" 2> "$OUT/decode_kernel_count.log" || echo "kernel count failed"
+fi
 
 # 3. Serving figures at real shapes, dummy weights.
 DRY_FLAG=()

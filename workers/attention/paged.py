@@ -13,6 +13,8 @@ A layer may add a sliding window (keys more than window - 1 positions behind the
 masked) and a logit soft cap (Gemma 2: eager attention, since SDPA has no hook before the softmax).
 GQA is handled without copying K/V per query head: the query heads that share a KV head are
 folded into the query-length dimension (decode) or passed with enable_gqa (prefill).
+This gather-and-mask path serves CPU without kernels (TorchBackend); on CUDA, CudaBackend reads the
+cache in place in every step instead (workers/attention/gpu_paged.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class PrefillChunk:
     context_len: int
     # Block ids covering the context, as a tensor.
     block_table: torch.Tensor
-    # Boolean mask [query_len, context_len] (None when the chunk starts at position 0: causal).
+    # Boolean mask [query_len, context_len] (None when the chunk starts at position 0: causal; and
+    # always None for a backend without dense_prefill_masks, whose kernels read the chunk table).
     mask: torch.Tensor | None
 
 
@@ -77,6 +80,9 @@ class AttentionMetadata:
     # SDPA per chunk (bf16: torch's flash attention, on AMX tiles where the CPU has them), the
     # table then only lets the CPU layer stack run the step (workers/model/cpu_layer_stack.py).
     prefill_kernel: bool = True
+    # Tensors the GPU kernels derive from the fields above once per step (varlen_attn's cumulative
+    # query lengths: workers/attention/gpu_paged.py), built by the first layer, reused by the others.
+    kernel_inputs: dict = field(default_factory=dict)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -23,6 +23,8 @@ the kernels under TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,11 @@ TARGET_PROGRAMS = 512
 # No split covers fewer blocks than this (a split's fixed cost is one partial write and merge).
 MIN_BLOCKS_PER_SPLIT = 8
 MAX_SPLITS = 32
+# Key positions per iteration of the tensor-core variant (several blocks at once).
+DOT_KEYS = 64
+# Kernels run by Triton's CPU interpreter, whose tl.dot on bf16 tiles is wrong (see
+# workers/attention/triton_prefill.py): the dot variant multiplies bf16 in float32 there.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, max_blocks: int) -> int:
@@ -121,6 +128,86 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _decode_dot_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale, soft_cap, window, min_blocks_per_split,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, KEYS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """The tensor-core variant of _decode_split_kernel (same grid, splits and partials): the
+    group's query heads are the rows of one tl.dot tile (padded to 16, the smallest tile), and
+    each iteration reads KEYS key positions, several cache blocks, each position addressed through
+    the block table as the prefill kernel does."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(lens_ptr + req)
+    first_pos = 0
+    if USE_WINDOW:
+        first_pos = tl.maximum(ctx_len - window, 0)
+    num_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
+    first_block = first_pos // BLOCK_SIZE
+    blocks_per_split = tl.maximum(tl.cdiv(num_blocks - first_block, NUM_SPLITS), min_blocks_per_split)
+    start_block = first_block + split * blocks_per_split
+    end_pos = tl.minimum((start_block + blocks_per_split) * BLOCK_SIZE, ctx_len)
+    start_pos = tl.maximum(start_block * BLOCK_SIZE, first_pos)
+
+    rows = tl.arange(0, Q_ROWS)
+    head_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full([Q_ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([Q_ROWS], tl.float32)
+    acc = tl.zeros([Q_ROWS, DIM_P2], tl.float32)
+    offsets = tl.arange(0, KEYS)
+    for start in range(start_pos, end_pos, KEYS):
+        pos = start + offsets
+        ok = pos < end_pos
+        block_id = tl.load(tables_ptr + req * stride_tb + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        kv_off = block_id * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        kv_mask = ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        if USE_SOFT_CAP:
+            scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
+        scores = tl.where(ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    store_mask = head_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        row = (req * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + row, m_i, mask=head_ok)
+        tl.store(part_l_ptr + row, l_i, mask=head_ok)
+        tl.store(part_acc_ptr + row[:, None] * DIM_P2 + dims[None, :], acc, mask=head_ok[:, None])
+
+
+@triton.jit
 def _merge_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -148,10 +235,16 @@ def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                         sliding_window: int | None = None, logits_soft_cap: float | None = None,
                         num_splits: int | None = None, min_blocks_per_split: int = MIN_BLOCKS_PER_SPLIT,
-                        ) -> torch.Tensor:
+                        out: torch.Tensor | None = None, variant: str = "blocks") -> torch.Tensor:
     """q [B, H, D], caches [num_blocks, block_size, KVH, D], block_tables [B, W] int32,
     context_lens [B] int32 (>= 1) -> [B, H * D] in q's dtype. num_splits defaults to
-    num_kv_splits(B, KVH, W): fixed by the shapes, so a captured graph keeps its grid."""
+    num_kv_splits(B, KVH, W): fixed by the shapes, so a captured graph keeps its grid.
+    out: a [B, H, D] tensor with a contiguous head dim to write into (the decode rows of a
+    mixed step's output), else a new one. variant: "blocks" (one cache block per iteration,
+    products on CUDA cores) or "dot" (DOT_KEYS positions per iteration, tl.dot on tensor cores;
+    same results; not yet measured against "blocks" on a GPU, so not the default)."""
+    if variant not in ("blocks", "dot"):
+        raise ValueError(f"unknown decode kernel variant {variant!r}")
     num_reqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads:
@@ -166,25 +259,33 @@ def triton_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     splits = num_splits or num_kv_splits(num_reqs, num_kv_heads, block_tables.shape[1])
     splits = max(1, min(splits, block_tables.shape[1]))
     dim_p2 = triton.next_power_of_2(head_dim)
-    out = torch.empty(num_reqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if variant == "dot":
+        dim_p2 = max(dim_p2, 16)  # tl.dot tiles are at least 16 wide
+    if out is None:
+        out = torch.empty(num_reqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if splits > 1:
         part_m = torch.empty(num_reqs * num_heads * splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(num_reqs * num_heads * splits, dim_p2, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
-    _decode_split_kernel[(num_reqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
-        float(scale), float(logits_soft_cap or 1.0), int(sliding_window or 0), max(1, min_blocks_per_split),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_P2=max(triton.next_power_of_2(group), 1), HEAD_DIM=head_dim,
-        DIM_P2=dim_p2, BLOCK_SIZE=block_size, NUM_SPLITS=splits, USE_WINDOW=sliding_window is not None,
-        USE_SOFT_CAP=logits_soft_cap is not None,
-    )
+    args = (q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
+            float(scale), float(logits_soft_cap or 1.0), int(sliding_window or 0), max(1, min_blocks_per_split),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1))
+    options = dict(NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=block_size,
+                   NUM_SPLITS=splits, USE_WINDOW=sliding_window is not None,
+                   USE_SOFT_CAP=logits_soft_cap is not None)
+    if variant == "dot":
+        _decode_dot_kernel[(num_reqs, num_kv_heads, splits)](
+            *args, Q_ROWS=max(triton.next_power_of_2(group), 16), KEYS=DOT_KEYS, IEEE=q.dtype == torch.float32,
+            DOT_F32=q.dtype == torch.bfloat16 and INTERPRETED, **options)
+    else:
+        _decode_split_kernel[(num_reqs, num_kv_heads, splits)](
+            *args, GROUP_P2=max(triton.next_power_of_2(group), 1), **options)
     if splits > 1:
         _merge_splits_kernel[(num_reqs, num_heads)](
             part_m, part_l, part_acc, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
             HEAD_DIM=head_dim, DIM_P2=dim_p2, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
         )
-    return out.view(num_reqs, num_heads * head_dim)
+    return out.reshape(num_reqs, num_heads * head_dim)

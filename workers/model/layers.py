@@ -84,9 +84,8 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.backend.rotary(self.rotary, positions, q, k)
-        out = self.backend.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-                                     self.soft_cap)
+        out = self.backend.rope_attention(self.rotary, positions, q, k, v, kv_cache[0], kv_cache[1], meta,
+                                          self.scale, self.sliding_window, self.soft_cap)
         return self.o_proj(out)
 
 

@@ -85,7 +85,10 @@ TOKEN_ROW_BACKENDS = ("triton",)
 # so long prompts cost it more than the eager path's SDPA. Break-even measured on an H200
 # (SmolLM2-135M shapes, bf16): a token-row step took ~2.6 ms + ~55-63 ns per context token read
 # (512 prompt tokens alone: 131k reads, 10.9 ms; a 2,048-token prompt in four 512-token chunks:
-# 2.1M reads, 122 ms), an eager step ~17 ms whatever its size: even at ~240k reads.
+# 2.1M reads, 122 ms), an eager step ~17 ms whatever its size: even at ~240k reads. That eager
+# step gathered and padded every context; on CudaBackend (workers/model/backend.py) the eager path
+# reads the cache in place (the same decode kernel, varlen flash attention for the chunks), so a
+# step past this bound no longer falls off a cliff; the bound itself wants re-measuring against it.
 MAX_TOKEN_ROW_CONTEXT_READS = 192 * 1024
 
 

@@ -6,7 +6,10 @@ batch all decodes in one call. Only rank 0 samples and returns tokens.
 On GPU a decode-only step goes to the graph runner (static buffers, CUDA-graph replay when it
 can, the same graph-safe forward eagerly when it cannot), and so does a step with prefill tokens
 when a graph holds one row per token (workers/runner/cuda_graph.py, token rows); every other step, and
-every step on CPU, takes the flat-batch path below. Both lay tokens out alike.
+every step on CPU, takes the flat-batch path below. Both lay tokens out alike. On GPU the flat path
+reads the paged cache in place as the graphs do (CudaBackend: decodes through the graphs' decode
+kernel, chunks through varlen flash attention; workers/attention/gpu_paged.py): its decodes get
+context lengths, its chunks a chunk table, and nothing gets a mask.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ class ModelRunner:
             width = batch.max_num_blocks
             decode_tables = torch.tensor(padded_block_tables(batch.block_tables, width), device=self.device)
             if self.backend.decode_context_lens:
-                decode_context_lens = torch.tensor(batch.context_lens, dtype=torch.int32)
+                decode_context_lens = torch.tensor(batch.context_lens, dtype=torch.int32, device=self.device)
             else:
                 decode_context_mask = decode_mask(torch.tensor(batch.context_lens, device=self.device), width * bs)
 
@@ -125,7 +128,9 @@ class ModelRunner:
             add_tokens(state, num)
             context_len = state.num_computed_tokens + num
             mask = None
-            if state.num_computed_tokens > 0:
+            # A chunk after cached context needs a causal mask with an offset for SDPA; the GPU
+            # kernels read the chunk table instead (no [query_len, context_len] tensor per step).
+            if state.num_computed_tokens > 0 and self.backend.dense_prefill_masks:
                 q_pos = torch.arange(state.num_computed_tokens, context_len, device=self.device)
                 mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
             table = torch.tensor(state.block_ids[: cdiv(context_len, bs)], dtype=torch.long, device=self.device)
@@ -135,9 +140,10 @@ class ModelRunner:
         # and the CPU layer stack runs a step only with it (SDPA per chunk from C++ otherwise).
         if chunks and self.backend.prefill_chunk_table:
             prefill_info = torch.tensor([[c.query_start, c.query_len, c.context_len] for c in chunks],
-                                        dtype=torch.int32)
+                                        dtype=torch.int32, device=self.device)
             rows = [state.block_ids[: cdiv(c.context_len, bs)] for (state, _), c in zip(prefills, chunks)]
-            prefill_tables = torch.tensor(padded_block_tables(rows, max(len(r) for r in rows)), dtype=torch.int32)
+            prefill_tables = torch.tensor(padded_block_tables(rows, max(len(r) for r in rows)), dtype=torch.int32,
+                                          device=self.device)
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
