@@ -224,6 +224,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         cpu_ops.ops().paged_prefill_attention(out, q, k_cache, v_cache, meta.prefill_block_tables,
                                               meta.prefill_chunk_info, scale, sliding_window or 0, soft_cap or 0.0)
         return out.view(num_tokens, num_heads * head_dim)
+    _sdpa_prefills(out, q, k, v, k_cache, v_cache, meta, scale, sliding_window, soft_cap)
+    return out.view(num_tokens, num_heads * head_dim)
+
+
+def _sdpa_prefills(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                   soft_cap: float | None) -> None:
+    """Each prefill chunk through SDPA into its rows of `out`: a chunk at position 0 attends to its
+    own k/v causally; one after cached context (or under a window) gathers its context and masks."""
     # bf16/fp16 SDPA on CPU takes rows padded to SDPA_ROW_ALIGN (see there); the layer stack's
     # sdpa_prefill pads the same way (workers/cpu/csrc/layer_stack.cpp).
     pad = q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and soft_cap is None
@@ -252,4 +261,3 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     meta.window_masks[key] = mask
             op = attend(qp, kp, vp, mask, scale, soft_cap)
         out[s : s + n] = op[0, :, :n].transpose(0, 1)
-    return out.view(num_tokens, num_heads * head_dim)

@@ -113,14 +113,8 @@ class ModelRunner:
             if start + num == len(state.token_ids):
                 samplers.append((state.req_id, len(input_ids) - 1))
 
-        decode_tables = decode_context_mask = decode_context_lens = None
-        if decodes:
-            width = batch.max_num_blocks
-            decode_tables = torch.tensor(padded_block_tables(batch.block_tables, width), device=self.device)
-            if self.backend.decode_context_lens:
-                decode_context_lens = torch.tensor(batch.context_lens, dtype=torch.int32, device=self.device)
-            else:
-                decode_context_mask = decode_mask(torch.tensor(batch.context_lens, device=self.device), width * bs)
+        decode_tables, decode_context_mask, decode_context_lens = self._decode_addressing(batch) if decodes else (
+            None, None, None)
 
         chunks: list[PrefillChunk] = []
         for state, num in prefills:
@@ -135,16 +129,7 @@ class ModelRunner:
                 mask = torch.arange(context_len, device=self.device)[None, :] <= q_pos[:, None]
             table = torch.tensor(state.block_ids[: cdiv(context_len, bs)], dtype=torch.long, device=self.device)
             chunks.append(PrefillChunk(query_start, num, context_len, table, mask))
-        prefill_info = prefill_tables = None
-        # The chunk table goes with the CPU kernels in either case: the prefill kernel reads it,
-        # and the CPU layer stack runs a step only with it (SDPA per chunk from C++ otherwise).
-        if chunks and self.backend.prefill_chunk_table:
-            prefill_info = torch.tensor([[c.query_start, c.query_len, c.context_len] for c in chunks],
-                                        dtype=torch.int32, device=self.device)
-            rows = [state.block_ids[: cdiv(c.context_len, bs)] for (state, _), c in zip(prefills, chunks)]
-            prefill_tables = torch.tensor(padded_block_tables(rows, max(len(r) for r in rows)), dtype=torch.int32,
-                                          device=self.device)
-
+        prefill_info, prefill_tables = self._chunk_table(prefills, chunks)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=len(decodes),
@@ -162,6 +147,29 @@ class ModelRunner:
             meta=meta,
             samplers=samplers,
         )
+
+    def _decode_addressing(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The decodes' block tables, and their context lengths (the decode kernel reads blocks in
+        place) or a mask over the padded gather (torch's path)."""
+        width = batch.max_num_blocks
+        tables = torch.tensor(padded_block_tables(batch.block_tables, width), device=self.device)
+        if self.backend.decode_context_lens:
+            return tables, None, torch.tensor(batch.context_lens, dtype=torch.int32, device=self.device)
+        return tables, decode_mask(torch.tensor(batch.context_lens, device=self.device), width * self.block_size), None
+
+    def _chunk_table(self, prefills: list[tuple[CachedRequestState, int]], chunks: list[PrefillChunk]
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(query_start, query_len, context_len) per chunk and their block tables, int32, for the
+        backends that read them: the CPU prefill kernel and the CPU layer stack (which runs a step
+        only with them: SDPA per chunk from C++ otherwise), the GPU varlen kernels."""
+        if not (chunks and self.backend.prefill_chunk_table):
+            return None, None
+        info = torch.tensor([[c.query_start, c.query_len, c.context_len] for c in chunks], dtype=torch.int32,
+                            device=self.device)
+        rows = [state.block_ids[: cdiv(c.context_len, self.block_size)] for (state, _), c in zip(prefills, chunks)]
+        tables = torch.tensor(padded_block_tables(rows, max(len(r) for r in rows)), dtype=torch.int32,
+                              device=self.device)
+        return info, tables
 
     def _prefill_context_reads(self, out: SchedulerOutput) -> int:
         """Context tokens the step's prefill tokens read as token rows (one at position p reads p + 1)."""
