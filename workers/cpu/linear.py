@@ -58,16 +58,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def small_batch_linear(x: torch.Tensor, small_batch_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel the small-batch weight is laid out for: AMX tile order is 4-D
-    ([N/16, K/32, 16, 32], amx_linear), float32 panels 3-D ([N/16, K, 16], panel_linear), a plain
-    bf16 weight 2-D (skinny_linear). The kernels take [M, K]: leading dims are flattened."""
+    """The kernel the small-batch weight is laid out for (amx_linear, panel_linear or
+    skinny_linear), chosen in one place, csrc/layer_stack.cpp's small_batch_linear, which the layer
+    stack calls too. The kernels take [M, K]: leading dims are flattened."""
     rows = x.reshape(-1, x.size(-1))
-    if small_batch_weight.dim() == 4:
-        y = torch.ops.tpserve_cpu.amx_linear(rows, small_batch_weight, bias)
-    elif small_batch_weight.dim() == 3:
-        y = torch.ops.tpserve_cpu.panel_linear(rows, small_batch_weight, bias)
-    else:
-        y = torch.ops.tpserve_cpu.skinny_linear(rows, small_batch_weight, bias)
+    y = torch.ops.tpserve_cpu.small_batch_linear(rows, small_batch_weight, bias)
     return y.view(*x.shape[:-1], y.size(-1))
 
 

@@ -107,18 +107,27 @@ struct Ops {
   }
 };
 
-// workers/cpu/linear.py's linear(): the small-batch kernel up to small_rows rows (amx_linear on
-// a 4-D AMX tile copy, panel_linear on a 3-D panel copy, skinny_linear on a plain weight; a limit
-// of 0: never), the packed GEMM when there is a packed weight, at::linear on the plain weight
+// The one choice of small-batch projection kernel, by the layout workers/cpu/linear.py packed the
+// weight in: AMX tile order is 4-D ([N/16, K/32, 16, 32], amx_linear), float32 panels 3-D
+// ([N/16, K, 16], panel_linear), a plain bf16 weight 2-D (skinny_linear). x is [M, K]. Python's
+// linear() calls it through the small_batch_linear op, the layer stack directly.
+at::Tensor small_batch_linear_with(const Ops& ops, const at::Tensor& x, const at::Tensor& small, const OptTensor& bias) {
+  if (small.dim() == 4) return ops.amx_linear.call(x, small, bias);
+  if (small.dim() == 3) return ops.panel_linear.call(x, small, bias);
+  return ops.skinny_linear.call(x, small, bias);
+}
+
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& small, const OptTensor& bias) {
+  return small_batch_linear_with(Ops::get(), x, small, bias);
+}
+
+// workers/cpu/linear.py's linear(): the small-batch kernel up to small_rows rows (a limit of 0:
+// never), the packed GEMM when there is a packed weight, at::linear on the plain weight
 // otherwise. `w` yields the projection's slots.
 template <typename Slot>
 at::Tensor project(const Ops& ops, const at::Tensor& x, Slot&& w, int64_t small_rows) {
   const OptTensor packed = w(kPacked), small = w(kSmall), bias = w(kBias);
-  if (small.has_value() && x.size(0) <= small_rows) {
-    if (small->dim() == 4) return ops.amx_linear.call(x, *small, bias);
-    if (small->dim() == 3) return ops.panel_linear.call(x, *small, bias);
-    return ops.skinny_linear.call(x, *small, bias);
-  }
+  if (small.has_value() && x.size(0) <= small_rows) return small_batch_linear_with(ops, x, *small, bias);
   if (packed.has_value()) return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
   const OptTensor weight = w(kWeight);
   TORCH_CHECK(weight.has_value(), "layer_stack: a projection has neither a plain nor a packed weight");
@@ -271,4 +280,5 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
       "int small_batch_rows, bool prefill_sdpa) -> (Tensor, Tensor)",
       &layer_stack);
   m.def("layer_stack_slots_per_layer() -> int", &layer_stack_slots_per_layer);
+  m.def("small_batch_linear(Tensor x, Tensor small_batch_weight, Tensor? bias) -> Tensor", &small_batch_linear);
 }
