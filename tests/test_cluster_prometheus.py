@@ -52,12 +52,14 @@ def cluster():
 
 def start_prometheus(nodes: TwoNodeCluster, folder: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    node_targets = [f"127.0.0.1:{node.metrics_port}" for node in (nodes.head, nodes.worker)]
+    # One target per node, each with the `pod` label the Prometheus operator gives a PodMonitor's
+    # targets (k8s/podmonitor.yaml): the dashboard's per-pod panels group by it.
+    targets = "".join(f"      - targets: ['127.0.0.1:{node.metrics_port}']\n        labels: {{pod: {name}}}\n"
+                      for name, node in (("head", nodes.head), ("worker", nodes.worker)))
     config = folder / "prometheus.yml"
     config.write_text(
         f"global:\n  scrape_interval: {SCRAPE_INTERVAL_S}s\n  evaluation_interval: {SCRAPE_INTERVAL_S}s\n"
-        "scrape_configs:\n  - job_name: ray-nodes\n    static_configs:\n"
-        f"      - targets: [{', '.join(repr(t) for t in node_targets)}]\n")
+        "scrape_configs:\n  - job_name: ray-nodes\n    static_configs:\n" + targets)
     log = open(folder / "prometheus.log", "wb")  # noqa: SIM115 - the child owns it
     process = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
                                 f"--web.listen-address=127.0.0.1:{port}"],
