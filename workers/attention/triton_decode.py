@@ -71,6 +71,23 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, soft_cap, USE_SOF
 
 
 @triton.jit
+def _store_split_result(acc, m_i, l_i, req, split, heads, dims, head_ok, dim_ok, out_ptr, stride_ob, stride_oh,
+                        part_m_ptr, part_l_ptr, part_acc_ptr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                        DIM_P2: tl.constexpr):
+    """Both decode kernels' epilogue: one split writes the normalised output; several write their
+    partials, laid out [B, NUM_HEADS, NUM_SPLITS] (+ DIM_P2 for the accumulator), for the merge."""
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+    else:
+        row = (req * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + row, m_i, mask=head_ok)
+        tl.store(part_l_ptr + row, l_i, mask=head_ok)
+        tl.store(part_acc_ptr + row[:, None] * DIM_P2 + dims[None, :], acc, mask=head_ok[:, None])
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     scale, soft_cap, window, min_blocks_per_split,
@@ -114,17 +131,8 @@ def _decode_split_kernel(
         valid = (pos < ctx_len) & (pos >= first_pos)
         m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, soft_cap, USE_SOFT_CAP)
 
-    store_mask = head_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
-    else:
-        # Partials laid out [B, NUM_HEADS, NUM_SPLITS] (+ DIM_P2 for the accumulator).
-        row = (req * NUM_HEADS + heads) * NUM_SPLITS + split
-        tl.store(part_m_ptr + row, m_i, mask=head_ok)
-        tl.store(part_l_ptr + row, l_i, mask=head_ok)
-        tl.store(part_acc_ptr + row[:, None] * DIM_P2 + dims[None, :], acc, mask=head_ok[:, None])
+    _store_split_result(acc, m_i, l_i, req, split, heads, dims, head_ok, dim_ok, out_ptr, stride_ob, stride_oh,
+                        part_m_ptr, part_l_ptr, part_acc_ptr, NUM_HEADS, NUM_SPLITS, DIM_P2)
 
 
 @triton.jit
@@ -195,16 +203,8 @@ def _decode_dot_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    store_mask = head_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + req * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
-    else:
-        row = (req * NUM_HEADS + heads) * NUM_SPLITS + split
-        tl.store(part_m_ptr + row, m_i, mask=head_ok)
-        tl.store(part_l_ptr + row, l_i, mask=head_ok)
-        tl.store(part_acc_ptr + row[:, None] * DIM_P2 + dims[None, :], acc, mask=head_ok[:, None])
+    _store_split_result(acc, m_i, l_i, req, split, heads, dims, head_ok, dim_ok, out_ptr, stride_ob, stride_oh,
+                        part_m_ptr, part_l_ptr, part_acc_ptr, NUM_HEADS, NUM_SPLITS, DIM_P2)
 
 
 @triton.jit
