@@ -62,6 +62,14 @@ class TpserveConfig(BaseModel):
     # Floor of that budget (a step of fewer prefill tokens runs the GEMMs at a poor M); capped
     # by max_num_batched_tokens.
     min_num_batched_tokens: int = Field(default=512, gt=0)
+    # A step that carries decodes may take at most this many times what its decodes alone would:
+    # prefill chunks are cut to fit, using step times predicted by a cost model the scheduler
+    # learns from the steps it ran (scheduler/step_cost.py), so a decode never waits behind a
+    # large prompt chunk (p99 inter-token latency). 0 = off (only the token budget above).
+    max_decode_slowdown: float = Field(default=2.0, ge=0)
+    # Floor of that step time target in ms, so that a few fast decodes do not cut prompts into
+    # slivers (each step re-reads every weight).
+    min_step_time_target_ms: float = Field(default=50.0, ge=0)
     # Automatic prefix caching.
     enable_prefix_caching: bool = True
     # Ranks per replica; 1 runs the model in the replica's own process.
@@ -224,6 +232,8 @@ class TpserveConfig(BaseModel):
     def _check_budgets(self) -> "TpserveConfig":
         if self.max_model_len is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        if 0 < self.max_decode_slowdown < 1:
+            raise ValueError("max_decode_slowdown must be 0 (off) or at least 1 (a step cannot take less than its decodes)")
         return self
 
     @model_validator(mode="after")

@@ -32,3 +32,8 @@ class SchedulerConfig:
     num_batched_tokens_per_request: int = 0
     # Floor of that budget (ignored where it exceeds max_num_batched_tokens).
     min_num_batched_tokens: int = 0
+    # A step that carries decodes takes at most this many times the decodes' own predicted time
+    # (Scheduler._prefill_time_budget): prefill chunks are cut to fit. 0 = off.
+    max_decode_slowdown: float = 0.0
+    # Floor of that step time target, in seconds.
+    min_step_time_target_s: float = 0.0

@@ -26,9 +26,14 @@ from scheduler.outputs import (
     SchedulerOutput,
 )
 from scheduler.request import Request, RequestStatus
+from scheduler.step_cost import StepCostModel, StepWork, chunk_attention_pairs
 from scheduler.stop_checker import check_stop
 
 logger = logging.getLogger("tpserve")
+
+# Prefill tokens a step with decodes still takes when its time target leaves room for none, so
+# that prompts keep moving however slow the decodes alone are.
+MIN_PREFILL_CHUNK = 32
 
 # What the client reads when its request's stop handling raised (the trace is in the log).
 STOP_HANDLING_FAILED_MESSAGE = "the server failed while checking this request's stop conditions"
@@ -49,6 +54,20 @@ class RequestUpdate:
     new_prompt_logprobs: list[PromptPositionLogprobs] | None = None
 
 
+@dataclass
+class _WorkTally:
+    """The work of the step being built, counted as its requests are scheduled (a StepWork's fields)."""
+
+    # Requests computing one new token.
+    decode_rows: int = 0
+    # Sum of those requests' context lengths.
+    decode_context_tokens: int = 0
+    # Prompt / recomputed tokens.
+    prefill_tokens: int = 0
+    # Causal query x key pairs of the prefill chunks.
+    prefill_attention_pairs: int = 0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -62,6 +81,12 @@ class Scheduler:
         # Request id -> how many of its tokens the workers know (to send only deltas).
         self._num_tokens_sent: dict[str, int] = {}
         self._stats = SchedulerStats()
+        # Forward time from the work in a step, learned from the steps that ran (step_cost.py).
+        self.step_cost = StepCostModel()
+        # The work of the step schedule() last built (observe_step_time pairs it with its time).
+        self._work = _WorkTally()
+        # Prefill seconds the step being built may still take (None: no time bound this step).
+        self._prefill_time_left: float | None = None
 
     # ---- intake -------------------------------------------------------------------------
     @property
@@ -110,6 +135,8 @@ class Scheduler:
         self._stats = SchedulerStats()
         output = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
+        self._work = _WorkTally()
+        self._prefill_time_left = self._prefill_time_budget()
         budget, preempted_any = self._schedule_running(output, self.step_token_budget())
         if not preempted_any:  # admitting while evicting would thrash
             self._schedule_waiting(output, budget)
@@ -133,6 +160,38 @@ class Scheduler:
         demand = cfg.num_batched_tokens_per_request * (len(self.running) + len(self.waiting))
         return min(cfg.max_num_batched_tokens, max(cfg.min_num_batched_tokens, demand))
 
+    def _prefill_time_budget(self) -> float | None:
+        """Seconds of prefill the step may add to its decodes: a step that carries decodes is to
+        take at most max_decode_slowdown x what the decodes alone would (and at least
+        min_step_time_target_s), so no decode waits behind a large prompt chunk. None (only the
+        token budget bounds prefill) when off, before the cost model has seen enough steps, and
+        when no request is decoding: then there is nobody to delay."""
+        cfg = self.config
+        if cfg.max_decode_slowdown <= 0 or not self.step_cost.ready:
+            return None
+        decodes = [r for r in self.running if r.is_prefill_done and r.num_tokens - r.num_computed_tokens == 1]
+        if not decodes:
+            return None
+        decode_s = self.step_cost.predict(StepWork(len(decodes), sum(r.num_tokens for r in decodes)))
+        return max(cfg.min_step_time_target_s, cfg.max_decode_slowdown * decode_s) - decode_s
+
+    def _fit_prefill(self, request: Request, num_new: int) -> int:
+        """num_new cut to the step's prefill time left (decodes pass untouched), and charged to it."""
+        if self._prefill_time_left is None or self._is_decode(request, num_new):
+            return num_new
+        start = request.num_computed_tokens
+        fitted = self.step_cost.prefill_tokens_within(self._prefill_time_left, start, num_new)
+        if fitted == 0 and self._work.prefill_tokens == 0:
+            fitted = min(num_new, MIN_PREFILL_CHUNK)  # the step's one guaranteed bit of progress
+        self._prefill_time_left -= self.step_cost.prefill_seconds(start, fitted)
+        return fitted
+
+    def observe_step_time(self, forward_seconds: float) -> None:
+        """The measured forward time of the step schedule() last built (the engine calls it)."""
+        work = self._work
+        self.step_cost.observe(StepWork(work.decode_rows, work.decode_context_tokens, work.prefill_tokens,
+                                        work.prefill_attention_pairs), forward_seconds)
+
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Running requests first, in admission order, preempting the newest when the cache is
         full. Returns the budget left and whether anything was preempted."""
@@ -140,7 +199,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._fit_prefill(request, min(request.num_tokens - request.num_computed_tokens, budget))
+            if num_new == 0:  # a prompt chunk with no time left this step: the decodes after it go on
+                index += 1
+                continue
             new_block_ids = self.kv.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self.running.pop()
@@ -162,8 +224,8 @@ class Scheduler:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_hit_tokens
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            new_block_ids = self.kv.allocate_slots(request, num_new, hit_blocks)
+            num_new = self._fit_prefill(request, min(request.num_tokens - num_hit_tokens, budget))
+            new_block_ids = self.kv.allocate_slots(request, num_new, hit_blocks) if num_new else None
             if new_block_ids is None:
                 request.num_computed_tokens = 0
                 break
@@ -193,18 +255,21 @@ class Scheduler:
             self._stats.prefix_cache_queries += request.num_tokens
             self._stats.prefix_cache_hits += num_hit_tokens
 
-    def _count_tokens(self, request: Request, num_new: int) -> None:
+    @staticmethod
+    def _is_decode(request: Request, num_new: int) -> bool:
         # A decode step computes exactly the latest sampled token; anything else (prompt
         # chunks, recomputation after preemption) is prefill work.
-        is_decode = (
-            num_new == 1
-            and request.num_output_tokens > 0
-            and request.num_computed_tokens == request.num_tokens - 1
-        )
-        if is_decode:
+        return num_new == 1 and request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+
+    def _count_tokens(self, request: Request, num_new: int) -> None:
+        if self._is_decode(request, num_new):
             self._stats.decode_tokens += 1
+            self._work.decode_rows += 1
+            self._work.decode_context_tokens += request.num_tokens
         else:
             self._stats.prefill_tokens += num_new
+            self._work.prefill_tokens += num_new
+            self._work.prefill_attention_pairs += chunk_attention_pairs(request.num_computed_tokens, num_new)
 
     def _preempt(self, request: Request) -> None:
         """Free the blocks, forget the computed tokens, go back to the head of waiting."""

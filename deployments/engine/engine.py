@@ -127,6 +127,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_batched_tokens_per_request=config.num_batched_tokens_per_request,
             min_num_batched_tokens=config.min_num_batched_tokens,
+            max_decode_slowdown=config.max_decode_slowdown,
+            min_step_time_target_s=config.min_step_time_target_ms / 1000,
             max_model_len=self.max_model_len,
             block_size=config.block_size,
             num_blocks=num_blocks,
@@ -218,6 +220,7 @@ class LLMEngine:
         # Requests whose grammar hook raised: each ends alone, with an error, after this step.
         grammar_failures = self._structured_output.attach_bitmasks(scheduler_output, self.scheduler.requests)
         runner_output = self.executor.execute_model(scheduler_output)
+        self.scheduler.observe_step_time(runner_output.forward_time)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.scheduler.kv.take_events())
