@@ -121,3 +121,31 @@ def file_requests(
         n = len(tokenizer.encode(row["prompt"], add_special_tokens=False)) if tokenizer else 0
         out.append(BenchRequest(row["prompt"], n, int(row.get("max_tokens", default_output_len))))
     return out
+
+
+def word_token_ids(tokenizer) -> list[int]:
+    """Tokens that are one space and a lowercase ASCII word (" apple"), each encoding back to
+    itself alone. A byte-level BPE splits text at spaces before merging, so a string of such
+    words is exactly as many tokens as words, under any tokenizer built from the same vocabulary
+    (llama.cpp's GGUF copy of it included), where random token ids decode to byte fragments whose
+    re-encoding may differ from one tokenizer implementation to another."""
+    out = []
+    for i in _usable_ids(tokenizer):
+        text = tokenizer.decode([i])
+        if (len(text) >= 4 and text[0] == " " and text[1:].isascii() and text[1:].isalpha() and text[1:].islower()
+                and tokenizer.encode(text, add_special_tokens=False) == [i]):
+            out.append(i)
+    return out
+
+
+def exact_length_text(tokenizer, words: list[int], length: int, seed: int) -> str:
+    """Seeded text of exactly `length` tokens (as `tokenizer` counts it, special tokens aside):
+    random word tokens; different seeds share no prefix beyond chance."""
+    if not words:
+        raise ValueError("the tokenizer has no plain-word tokens to build text from")
+    rng = random.Random(seed)
+    text = tokenizer.decode(random_token_ids(rng, words, length))
+    n = len(tokenizer.encode(text, add_special_tokens=False))
+    if n != length:
+        raise ValueError(f"{length} word tokens re-encode to {n} tokens: this tokenizer merges across spaces")
+    return text

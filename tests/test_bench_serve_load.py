@@ -243,7 +243,7 @@ def test_serve_compare_rounds_against_a_running_server(fake_server, tmp_path):
                                  "--tpserve-base-url",
                                  fake_server, "--skip-offline", "--rounds", "2", "--pause-s", "0",
                                  "--concurrencies", "2", "--prompts-per-stream", "4", "--input-len-min", "5",
-                                 "--input-len-max", "9", "--output-len", "2", "--dtype", "float32"])
+                                 "--input-len-max", "9", "--output-len", "2", "--dtype", "float32", "--ttft-curve", ""])
     assert rc == 0
     out = json.loads(buf.getvalue())
     assert len(out["tpserve"]["rounds"]) == 2 and out["tpserve"]["2"]["completed"] == 16

@@ -41,6 +41,8 @@ def test_random_command_spreads_prompts_over_the_same_range():
     assert _arg(cmd, "--request-rate") == "inf" and _arg(cmd, "--max-concurrency") == "16"
     assert cmd[cmd.index("--goodput") + 1: cmd.index("--goodput") + 3] == ["ttft:1000", "tpot:100"]
     assert "--save-result" in cmd and _arg(cmd, "--result-dir") == "/r" and _arg(cmd, "--result-filename") == "out.json"
+    assert "--save-detailed" in cmd  # else the saved result drops every request's error
+    assert _arg(cmd, "--header") == "Connection=close"  # llama-server closes after each stream
     assert "--ignore-eos" in cmd and _arg(cmd, "--seed") == "7" and _arg(cmd, "--tokenizer") == "/tok"
     assert _arg(vllm_bench_client.command(["vllm"], _run(request_rate=2.5)), "--request-rate") == "2.5"
 
@@ -72,6 +74,33 @@ def test_sharegpt_dataset_is_seeded_two_turn_and_bounded(tmp_path):
         empty = tmp_path / "empty.md"
         empty.write_text("# only a heading\n")
         vllm_bench_client.write_sharegpt_dataset(tmp_path / "d.json", 2, 0, sources=[empty])
+
+
+def _passes_vllms_sharegpt_filter(prompt_len: int, output_len: int, max_total: int) -> bool:
+    """vllm.benchmarks.datasets.is_valid_sequence's defaults, restated (min 4 tokens each, prompt
+    <= 1024, total <= 2048), with the total capped further at max_total."""
+    return prompt_len >= 4 and output_len >= 4 and prompt_len <= 1024 and prompt_len + output_len <= min(2048, max_total)
+
+
+def test_sharegpt_conversations_fit_vllms_filter_with_the_served_tokenizer(tmp_path):
+    """Cut by the served model's tokenizer, no conversation is one vLLM would drop (and replace by
+    a copy of another: a prefix-cache hit); uncut, some are."""
+    from bench.workload import load_tokenizer
+    from workers.model.default_model import ensure_default_model
+
+    tok = load_tokenizer(ensure_default_model())
+
+    def lengths(path):
+        return [(len(tok(c["conversations"][0]["value"]).input_ids), len(tok(c["conversations"][1]["value"]).input_ids))
+                for c in json.loads(path.read_text())]
+
+    vllm_bench_client.write_sharegpt_dataset(tmp_path / "raw.json", 64, seed=1000)
+    assert not all(_passes_vllms_sharegpt_filter(p, o, 2047) for p, o in lengths(tmp_path / "raw.json"))
+    vllm_bench_client.write_sharegpt_dataset(tmp_path / "fit.json", 64, seed=1000, tokenizer=tok, max_total_tokens=2047)
+    fitted = lengths(tmp_path / "fit.json")
+    assert all(_passes_vllms_sharegpt_filter(p, o, 2047) for p, o in fitted)
+    assert max(p for p, _ in fitted) > 900  # cut at the limit, not far below it
+    assert len({p for p, _ in fitted}) > 20  # still spread like chat traffic
 
 
 def test_saved_result_maps_onto_serve_loads_keys():
@@ -144,14 +173,17 @@ def test_run_vllm_bench_reads_what_the_client_saved(fake_vllm_venv, tmp_path):
     assert failed["completed"] == 0 and "exited 1" in failed["error"] and "boom" in failed["error"]
 
 
-def test_serve_compare_with_vllms_client_on_a_sharegpt_shaped_file(fake_vllm_venv, fake_server, tmp_path):
+def test_serve_compare_with_vllms_client_on_a_sharegpt_shaped_file(fake_vllm_venv, fake_server, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the kept client folder lands here, not in /tmp
     _tiny_tokenizer().save_pretrained(tmp_path / "tok")
     buf = io.StringIO()
     with redirect_stdout(buf):
         rc = serve_compare.main(["--model-dir", str(tmp_path / "tok"), "--skip", "vllm", "--skip", "llamacpp",
                                  "--tpserve-base-url", fake_server, "--skip-offline", "--concurrencies", "2",
                                  "--prompts-per-stream", "4", "--dtype", "float32", "--client", "vllm-bench",
-                                 "--vllm-bench-dataset", "sharegpt", "--goodput-tpot-ms", "80"])
+                                 "--vllm-bench-dataset", "sharegpt", "--goodput-tpot-ms", "80", "--ttft-curve", ""])
     assert rc == 0
     out = json.loads(buf.getvalue())
     level = out["tpserve"]["2"]
@@ -164,4 +196,7 @@ def test_serve_compare_with_vllms_client_on_a_sharegpt_shaped_file(fake_vllm_ven
     assert _arg(argv[0], "--base-url") == fake_server and _arg(argv[0], "--tokenizer") == str(tmp_path / "tok")
     assert _arg(argv[0], "--max-concurrency") == "2" and _arg(argv[0], "--num-prompts") == "8"
     assert "tpot:80" in argv[0] and _arg(argv[0], "--dataset-name") == "sharegpt"
-    assert not os.path.exists(_arg(argv[0], "--dataset-path"))  # the scratch folder is removed afterwards
+    # The client's folder is kept beside the result: its dataset, its saved result and its log.
+    assert os.path.dirname(_arg(argv[0], "--dataset-path")) == level["client_files"] == _arg(argv[0], "--result-dir")
+    assert {"sharegpt.json", "result.json", "client.log"} <= set(os.listdir(level["client_files"]))
+    assert level["client_files"].startswith(str(tmp_path))

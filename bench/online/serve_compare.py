@@ -28,6 +28,13 @@ tpserve's, with a 2 GiB cache that the 64-stream level had refilled, stayed at 5
 Before the servers, the offline engines run on the 16-stream level's
 workload (`bench.offline.offline_compare`: tpserve's LLMEngine vs vLLM's LLM.generate), the third column.
 
+At the 1-stream level each server's median TPOT stands beside the weight-read floor, measured right
+before that level (bench.online.weight_read_floor: bytes of weights one decode token reads / the
+read bandwidth a torch sum measures on the servers' thread count); `single_stream_floor` collects
+them. Last, the TTFT curve (bench.online.ttft_curve, `--ttft-curve 1024,4096,6144`, '' to skip):
+one request at a time at each prompt length, on a start of each server whose max_model_len holds
+the longest prompt, so the levels' servers keep their settings.
+
 `--rounds N` (N > 1) is for machines whose speed drifts within minutes (a shared VM: the same
 vLLM gave 154 and 245 tok/s at 16 streams ten minutes apart), where one run of each server an
 hour apart compares drift, not engines. Both servers are then started and kept up (idle while
@@ -46,6 +53,7 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +62,8 @@ from typing import Callable
 
 from bench.online import vllm_bench_client
 from bench.online.serve_load import LoadConfig, run_load
+from bench.online.ttft_curve import CurveSpec, curve_prompts, curve_ratios, parse_lengths, run_curve
+from bench.online.weight_read_floor import floor_report, model_weight_reads, weight_read_floor
 from bench.peers import llamacpp_peer, vllm_peer
 from bench.peers.managed_server import ManagedServer, launch
 from bench.workload import load_tokenizer, random_requests
@@ -101,20 +111,45 @@ def load_level(base_url: str, concurrency: int, requests: list, args, seed: int)
                          seed=args.seed, max_duration_s=args.max_duration,
                          goodput_ttft_ms=args.goodput_ttft_ms, goodput_tpot_ms=args.goodput_tpot_ms)
         return asyncio.run(run_load(cfg))
-    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as scratch:
-        dataset_path = None
-        out: dict = {}
-        if args.vllm_bench_dataset == "sharegpt":
-            dataset_path = str(Path(scratch) / "sharegpt.json")
-            out["dataset_sha256"] = vllm_bench_client.write_sharegpt_dataset(dataset_path, len(requests), seed)
-        run = vllm_bench_client.VllmBenchRun(
-            base_url=base_url, model=vllm_bench_client.served_model(base_url),
-            tokenizer_dir=str(args.tokenizer_dir), dataset=args.vllm_bench_dataset, dataset_path=dataset_path,
-            num_prompts=len(requests), max_concurrency=concurrency, request_rate=args.request_rate,
-            input_len_min=args.input_len_min, input_len_max=args.input_len_max, output_len=args.output_len,
-            seed=seed, goodput_ttft_ms=args.goodput_ttft_ms, goodput_tpot_ms=args.goodput_tpot_ms,
-            result_dir=scratch, result_filename="result.json")
-        return out | vllm_bench_client.run_vllm_bench(run, vllm_peer.ensure_vllm_venv(), args.max_duration)
+    return load_level_vllm_bench(base_url, concurrency, len(requests), args, seed)
+
+
+def load_level_vllm_bench(base_url: str, concurrency: int, num_prompts: int, args, seed: int) -> dict:
+    """One level's load by `vllm bench serve`. Its folder (dataset, saved result, the client's log)
+    is kept, like the servers' logs: they are what explains a failed request."""
+    scratch = tempfile.mkdtemp(prefix="vllm-bench-")
+    out: dict = {"client_files": scratch}
+    dataset_path = None
+    if args.vllm_bench_dataset == "sharegpt":
+        dataset_path = str(Path(scratch) / "sharegpt.json")
+        # prompt + answer <= max_model_len - 1: llama.cpp ends a sequence one token before its slot is full.
+        out["dataset_sha256"] = vllm_bench_client.write_sharegpt_dataset(
+            dataset_path, num_prompts, seed, tokenizer=load_tokenizer(args.tokenizer_dir),
+            max_total_tokens=args.max_model_len - 1)
+    run = vllm_bench_client.VllmBenchRun(
+        base_url=base_url, model=vllm_bench_client.served_model(base_url),
+        tokenizer_dir=str(args.tokenizer_dir), dataset=args.vllm_bench_dataset, dataset_path=dataset_path,
+        num_prompts=num_prompts, max_concurrency=concurrency, request_rate=args.request_rate,
+        input_len_min=args.input_len_min, input_len_max=args.input_len_max, output_len=args.output_len,
+        seed=seed, goodput_ttft_ms=args.goodput_ttft_ms, goodput_tpot_ms=args.goodput_tpot_ms,
+        result_dir=scratch, result_filename="result.json")
+    return out | vllm_bench_client.run_vllm_bench(run, vllm_peer.ensure_vllm_venv(), args.max_duration)
+
+
+def load_level_with_floor(base_url: str, concurrency: int, requests: list, args, seed: int) -> dict:
+    """load_level; at one stream, the weight-read floor measured right before it (machines drift)
+    and put beside its TPOT."""
+    bytes_per_token = getattr(args, "weight_bytes_per_token", None)
+    if concurrency != 1 or not bytes_per_token:
+        return load_level(base_url, concurrency, requests, args, seed)
+    try:
+        floor = weight_read_floor(bytes_per_token)
+    except (subprocess.SubprocessError, OSError, ValueError) as exc:  # the level's figures still count
+        logger.exception("weight-read floor not measured")
+        return load_level(base_url, concurrency, requests, args, seed) | {"weight_read_floor": {"error": str(exc)[:500]}}
+    result = load_level(base_url, concurrency, requests, args, seed)
+    result["weight_read_floor"] = floor_report(floor, result.get("median_tpot_ms") if result.get("completed") else None)
+    return result
 
 
 def bench_one(name: str, start: Callable[[int], ManagedServer], base_url: str | None, workloads: dict[int, list],
@@ -135,9 +170,10 @@ def bench_one(name: str, start: Callable[[int], ManagedServer], base_url: str | 
             if per_level:
                 with start(concurrency) as level_server:
                     results.setdefault("server_logs", {})[str(concurrency)] = str(level_server.log_path)
-                    results[str(concurrency)] = load_level(level_server.base_url, concurrency, requests, args, seed)
+                    results[str(concurrency)] = load_level_with_floor(level_server.base_url, concurrency, requests,
+                                                                      args, seed)
             else:
-                results[str(concurrency)] = load_level(base_url, concurrency, requests, args, seed)
+                results[str(concurrency)] = load_level_with_floor(base_url, concurrency, requests, args, seed)
         return results
     except Exception as exc:  # one side failing still leaves the others' figures to report
         logger.exception("%s benchmark failed", name)
@@ -177,8 +213,31 @@ def alternate_rounds(base_urls: dict[str, str], rounds: int, run_levels: Callabl
             merged[level]["completed"] = sum(run["completed"] for run in runs)
             merged[level]["failed"] = sum(run.get("failed", 0) for run in runs)
             merged[level]["rounds"] = len(runs)
+            if floors := mean_floor(runs, merged[level]["median_tpot_ms"]):
+                merged[level]["weight_read_floor"] = floors
         out[name] = merged
     return out
+
+
+def mean_floor(runs: list[dict], mean_tpot_ms: float) -> dict | None:
+    """The rounds' weight-read floors (each measured before its round's 1-stream level): their mean,
+    and the mean TPOT over it; None unless every round measured one."""
+    floors = [run.get("weight_read_floor", {}).get("floor_ms") for run in runs]
+    if not floors or not all(floors):
+        return None
+    floor_ms = round(sum(floors) / len(floors), 3)
+    return {"median_tpot_ms": mean_tpot_ms, "floor_ms": floor_ms, "floor_ms_per_round": floors,
+            "tpot_over_floor": round(mean_tpot_ms / floor_ms, 3)}
+
+
+def single_stream_floor(out: dict) -> dict:
+    """Per server, its 1-stream TPOT p50 beside the weight-read floor measured before it."""
+    summary = {}
+    for name in PEERS:
+        floor = out.get(name, {}).get("1", {}).get("weight_read_floor")
+        if floor:
+            summary[name] = {key: floor.get(key) for key in ("median_tpot_ms", "floor_ms", "tpot_over_floor")}
+    return summary
 
 
 def bench_rounds(starters: dict[str, Callable[[int], ManagedServer]], base_urls: dict[str, str | None],
@@ -274,17 +333,87 @@ def concrete_dtype(name: str) -> str:
     return str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
 
 
-def run_servers(model_dir: Path, tokenizer, levels: list[int], workloads: dict[int, list], args) -> dict:
-    """Each server's results per level: one after the other, or alternated over --rounds."""
+def server_starters(model_dir: Path, args) -> dict[str, Callable[[int], ManagedServer]]:
+    """start(streams) per server not skipped, each with `args`' settings."""
     starters = {"tpserve": lambda streams: start_tpserve(None if args.model_dir is None else model_dir, args),
                 "vllm": lambda streams: start_vllm(model_dir, args),
                 "llamacpp": lambda streams: start_llamacpp(model_dir, streams, args)}
-    starters = {name: start for name, start in starters.items() if name not in args.skip and not args.offline_only}
-    base_urls = {"tpserve": args.tpserve_base_url, "vllm": args.vllm_base_url, "llamacpp": args.llamacpp_base_url}
+    return {name: start for name, start in starters.items() if name not in args.skip and not args.offline_only}
+
+
+def given_base_urls(args) -> dict[str, str | None]:
+    return {"tpserve": args.tpserve_base_url, "vllm": args.vllm_base_url, "llamacpp": args.llamacpp_base_url}
+
+
+def run_servers(model_dir: Path, tokenizer, levels: list[int], workloads: dict[int, list], args) -> dict:
+    """Each server's results per level: one after the other, or alternated over --rounds."""
+    starters = server_starters(model_dir, args)
+    base_urls = given_base_urls(args)
     if args.rounds > 1:
         rounds = [workloads] + [make_workloads(tokenizer, levels, args, r) for r in range(1, args.rounds)]
         return bench_rounds(starters, base_urls, rounds, args)
     return {name: bench_one(name, start, base_urls[name], workloads, args) for name, start in starters.items()}
+
+
+def curve_on_server(name: str, start: Callable[[int], ManagedServer], base_url: str | None, warmup, prompts: list,
+                    spec: CurveSpec) -> dict:
+    """The TTFT curve on `base_url`, or on a server `start(1)` brings up for it and we stop."""
+    server = None
+    try:
+        if base_url is None:
+            server = start(1)  # one stream: llama.cpp's one slot then holds the whole context
+            base_url = server.base_url
+        logger.info("%s: TTFT curve, prompts of %s tokens", name, ", ".join(map(str, spec.lengths)))
+        result = asyncio.run(run_curve(base_url, warmup, prompts, spec))
+        return result | ({"server_log": str(server.log_path)} if server else {})
+    except Exception as exc:  # one server failing still leaves the others' curves to report
+        logger.exception("%s TTFT curve failed", name)
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def run_ttft_curves(model_dir: Path, tokenizer, spec: CurveSpec, args) -> dict:
+    """The TTFT curve on every server, each on a start of its own whose max_model_len holds the
+    longest prompt and its output (the levels' servers keep --max-model-len: their behaviour, KV
+    budget and llama.cpp's slot sizes, stays what it was). Every server gets the same prompts."""
+    warmup, prompts = curve_prompts(tokenizer, spec)
+    curve_args = argparse.Namespace(**vars(args))
+    curve_args.max_model_len = max(args.max_model_len, spec.max_model_len)
+    out: dict = {"lengths": list(spec.lengths), "repeats": spec.repeats, "output_len": spec.output_len,
+                 "max_model_len": curve_args.max_model_len}
+    base_urls = given_base_urls(args)
+    for name, start in server_starters(model_dir, curve_args).items():
+        out[name] = curve_on_server(name, start, base_urls[name], warmup, prompts, spec)
+    for peer in PEERS[1:]:
+        if "tpserve" in out and peer in out:
+            out[f"ratios_tpserve_over_{peer}"] = curve_ratios(out["tpserve"], out[peer])
+    return out
+
+
+def curve_spec(args) -> CurveSpec | None:
+    lengths = parse_lengths(args.ttft_curve)
+    if not lengths or args.offline_only:
+        return None
+    return CurveSpec(lengths=lengths, repeats=args.ttft_curve_repeats, output_len=args.ttft_curve_output_len,
+                     seed=args.seed)
+
+
+def weight_reads(model_dir: Path, args) -> dict:
+    """What one decode token of the served model reads (the floor's numerator); sets
+    args.weight_bytes_per_token (None, and no floor, where it cannot be counted)."""
+    args.weight_bytes_per_token = None
+    if args.skip_floor:
+        return {"skipped": "--skip-floor"}
+    try:
+        reads = model_weight_reads(model_dir, args.dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        logger.warning("no weight-read floor: %s", exc)
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    args.weight_bytes_per_token = reads.bytes_per_token
+    return {"params_per_token": reads.params_per_token, "bytes_per_param": reads.bytes_per_param,
+            "bytes_per_token": reads.bytes_per_token}
 
 
 def _interrupt(_signum, _frame):
@@ -327,6 +456,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="> 1: both servers up, every level loaded on each in alternation this many times (means)")
     p.add_argument("--pause-s", type=float, default=3.0, help="with --rounds: idle seconds before each turn")
+    p.add_argument("--ttft-curve", default="1024,4096,6144",
+                   help="prompt lengths (tokens) of the TTFT curve, one request at a time on a server started "
+                        "for it; '' skips it")
+    p.add_argument("--ttft-curve-repeats", type=int, default=3, help="fresh prompts per curve length")
+    p.add_argument("--ttft-curve-output-len", type=int, default=32, help="output tokens per curve request")
+    p.add_argument("--skip-floor", action="store_true",
+                   help="no weight-read floor (read bandwidth) measured before the 1-stream level")
     p.add_argument("--out", default=None, help="also write the JSON here")
     return p
 
@@ -346,9 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(model_dir)
     levels = [int(c) for c in args.concurrencies.split(",")]
     workloads = make_workloads(tokenizer, levels, args)
+    spec = curve_spec(args)
     out: dict = {"workload": describe_workloads(model_dir, workloads, args),
                  "machine": {"cpus": len(os.sched_getaffinity(0)), "cpu_model": cpuinfo_field("model name"),
-                             "loadavg_before": os.getloadavg()}}
+                             "loadavg_before": os.getloadavg()},
+                 "weight_reads": weight_reads(model_dir, args)}
     if not args.skip_offline:
         offline_reqs = workloads[16] if 16 in workloads else workloads[levels[-1]]
         out["offline"] = run_offline(model_dir, args.model_dir is None, offline_reqs, tokenizer, args)
@@ -356,13 +494,22 @@ def main(argv: list[str] | None = None) -> int:
     for peer in PEERS[1:]:
         if peer in out:
             out[f"ratios_tpserve_over_{peer}"] = level_ratios(out.get("tpserve", {}), out[peer])
+    if floors := single_stream_floor(out):
+        out["single_stream_floor"] = floors
+    if spec is not None:
+        out["ttft_curve"] = run_ttft_curves(model_dir, tokenizer, spec, args)
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    ok = all(out[k][str(c)].get("completed") for k in PEERS if k in out
-             for c in levels if str(c) in out[k])
-    return 0 if ok else 1
+    return 0 if all_completed(out, levels) else 1
+
+
+def all_completed(out: dict, levels: list[int]) -> bool:
+    """Every server completed requests at every level, and at every curve length it ran."""
+    curve = out.get("ttft_curve", {})
+    return (all(out[k][str(c)].get("completed") for k in PEERS if k in out for c in levels if str(c) in out[k])
+            and all(curve[k].get(str(n), {}).get("completed") for k in PEERS if k in curve for n in curve["lengths"]))
 
 
 if __name__ == "__main__":

@@ -88,8 +88,14 @@ def command(vllm_cli: list[str], run: VllmBenchRun) -> list[str]:
            "--seed", str(run.seed), "--ignore-eos", "--temperature", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--goodput", f"ttft:{run.goodput_ttft_ms:g}", f"tpot:{run.goodput_tpot_ms:g}",
-           "--save-result", "--result-dir", run.result_dir, "--result-filename", run.result_filename,
-           "--disable-tqdm"]
+           # --save-detailed: without it the saved result drops every request's error (and length).
+           "--save-result", "--save-detailed", "--result-dir", run.result_dir, "--result-filename", run.result_filename,
+           "--disable-tqdm",
+           # A fresh connection per request, on every server. llama-server announces keep-alive but
+           # closes the connection after each streamed response; vLLM's client (aiohttp) sends the
+           # next request on the pooled socket before it sees the close, and that request fails
+           # with ServerDisconnectedError: every other request was lost at one stream.
+           "--header", "Connection=close"]
     if run.dataset == "random":
         input_len, ratio = random_range(run.input_len_min, run.input_len_max)
         # The dict form spreads the input alone; a plain number would spread the output too.
@@ -157,17 +163,55 @@ def default_sources() -> list[Path]:
     return sorted((REPO / "docs").glob("*.md"))
 
 
-def write_sharegpt_dataset(path: str | Path, num: int, seed: int, sources: list[Path] | None = None) -> str:
+# vLLM's ShareGPT sampler drops a conversation whose prompt is over 1,024 tokens or whose prompt +
+# answer is over 2,048 (vllm.benchmarks.datasets.is_valid_sequence), then fills the request count
+# with copies of the ones it kept: a copy is a prefix-cache hit, cheaper on a server with a larger
+# cache. Conversations are cut to fit (by the served model's tokenizer), so none is dropped.
+SHAREGPT_MAX_PROMPT_TOKENS = 1024
+SHAREGPT_MAX_TOTAL_TOKENS = 2048
+
+
+def count_tokens(tokenizer, text: str) -> int:
+    """Tokens of `text` as vLLM's sampler counts them (`tokenizer(text).input_ids`)."""
+    return len(tokenizer(text).input_ids)
+
+
+def fit_tokens(tokenizer, text: str, max_tokens: int) -> str:
+    """The longest word prefix of `text` of at most `max_tokens` tokens (all of it if it fits)."""
+    words = text.split(" ")
+    if count_tokens(tokenizer, text) <= max_tokens:
+        return text
+    lo, hi = 1, len(words) - 1  # binary search on the word count: lo fits (or is the floor), hi+1 does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count_tokens(tokenizer, " ".join(words[:mid])) <= max_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
+def _conversation(rng: random.Random, blocks: list[str], tokenizer, max_total_tokens: int) -> list[dict]:
+    human, gpt = _words(rng, blocks, 120, 6, 700), _words(rng, blocks, 150, 6, 600)
+    if tokenizer is not None:
+        human = fit_tokens(tokenizer, human, SHAREGPT_MAX_PROMPT_TOKENS)
+        gpt = fit_tokens(tokenizer, gpt, max_total_tokens - count_tokens(tokenizer, human))
+    return [{"from": "human", "value": human}, {"from": "gpt", "value": gpt}]
+
+
+def write_sharegpt_dataset(path: str | Path, num: int, seed: int, sources: list[Path] | None = None,
+                           tokenizer=None, max_total_tokens: int = SHAREGPT_MAX_TOTAL_TOKENS) -> str:
     """A ShareGPT-shaped JSON of `num` two-turn conversations from local text; returns its sha256
-    (the same sources and seed give the same file, so a result names the data it ran on)."""
+    (the same sources and seed give the same file, so a result names the data it ran on). With the
+    served model's `tokenizer`, every prompt fits vLLM's 1,024-token filter and prompt + answer
+    `max_total_tokens` (at most 2,048), so vLLM sends every conversation once."""
     blocks = _paragraphs(sources or default_sources())
     if not blocks:
         raise ValueError("no text to build conversations from")
     rng = random.Random(seed)
-    # Medians and caps in words (~1.3 tokens each): prompts stay under vLLM's 1,024-token filter.
-    data = [{"id": f"tpserve-{i}", "conversations": [
-        {"from": "human", "value": _words(rng, blocks, 120, 6, 700)},
-        {"from": "gpt", "value": _words(rng, blocks, 150, 6, 600)}]} for i in range(num)]
+    # Medians and caps in words (~1.3 tokens each of prose, more of code and paths).
+    limit = min(max_total_tokens, SHAREGPT_MAX_TOTAL_TOKENS)
+    data = [{"id": f"tpserve-{i}", "conversations": _conversation(rng, blocks, tokenizer, limit)} for i in range(num)]
     text = json.dumps(data, indent=1)
     Path(path).write_text(text)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -209,6 +253,8 @@ def run_vllm_bench(run: VllmBenchRun, vllm_python: Path, timeout_s: float) -> di
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"vllm bench serve did not finish within {timeout_s}s", "completed": 0}
+    # Beside the saved result: the client's per-request errors print only here.
+    (Path(run.result_dir) / "client.log").write_text(f"{' '.join(cmd)}\n\n{proc.stdout}\n{proc.stderr}")
     result = Path(run.result_dir) / run.result_filename
     if proc.returncode != 0 or not result.exists():
         return {"error": f"vllm bench serve exited {proc.returncode}: {(proc.stderr or proc.stdout)[-2000:]}",
