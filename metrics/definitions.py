@@ -4,8 +4,14 @@ Both exporters (prometheus-client and Ray) build their metrics from `METRIC_DEFI
 a name, a kind, a description, label names and a bucket kind are written here once.
 
 Labels: every series has `model_name`; the only other labels take values from the fixed sets
-below (`PREEMPTION_PHASES`, `FINISHED_REASONS`) or, for the info gauge, the cache configuration
-set once at start. No label carries a request id, a prompt, or any other unbounded value.
+below (`PREEMPTION_PHASES`, `FINISHED_REASONS`, `KV_EVENT_TYPES`) or, for the info gauge, the
+cache configuration set once at start. No label carries a request id, a prompt, or any other
+unbounded value.
+
+Exemplars: the histograms marked `trace_exemplars` carry, on each observation of a traced
+request, an exemplar whose only label is that request's OpenTelemetry trace id (docs/tracing.md).
+Exemplars are no labels: they never add series, and /metrics shows them only in the OpenMetrics
+exposition (a scraper that asks for it); the 0.0.4 text has none.
 
 Buckets:
 - "time": 1 ms to 10 min in 1-2.5-5 steps (0.001, 0.0025, 0.005, 0.01, ... 250, 500, 600).
@@ -31,6 +37,11 @@ MODEL_NAME_LABEL = "model_name"
 PREEMPTION_PHASES = ("prefill", "decode")
 # Values of `finished_reason` on tpserve_request_success_total (an error counts as an abort).
 FINISHED_REASONS = ("stop", "length", "abort")
+# Values of `event_type` on tpserve_kv_events_total: vLLM's names of the KV-cache events
+# (docs/kv-events.md), as subscribers see them on the wire.
+KV_EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+# The one label of a trace exemplar: Grafana's default name for the trace id of an exemplar.
+TRACE_ID_EXEMPLAR_LABEL = "trace_id"
 # Labels of the info gauge tpserve_cache_config_info, in METRICS.md order, then `num_gpu_blocks`:
 # the Gateway API Inference Extension's endpoint picker reads the KV blocks from a label of that
 # name (hard-coded where it is configured by flags, EPP <= v1.3), so it repeats `num_blocks`
@@ -62,6 +73,9 @@ class MetricDefinition:
     extra_labels: tuple[str, ...] = ()
     # Bucket kind of a histogram (see the module docstring); None for other kinds.
     buckets: BucketsKind | None = None
+    # A per-request histogram whose observations carry the request's trace id as an exemplar
+    # when tracing is on (see the module docstring).
+    trace_exemplars: bool = False
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -79,6 +93,11 @@ def _counter(name: str, documentation: str, extra_labels: tuple[str, ...] = ()) 
 
 def _histogram(name: str, documentation: str, buckets: BucketsKind) -> MetricDefinition:
     return MetricDefinition(name, "histogram", documentation, buckets=buckets)
+
+
+def _request_latency(name: str, documentation: str) -> MetricDefinition:
+    # A per-request interval: its observations link to the request's trace.
+    return MetricDefinition(name, "histogram", documentation, buckets="time", trace_exemplars=True)
 
 
 METRIC_DEFINITIONS: tuple[MetricDefinition, ...] = (
@@ -111,6 +130,11 @@ METRIC_DEFINITIONS: tuple[MetricDefinition, ...] = (
     _counter("tpserve_request_success_total", "Finished requests, by finish reason.", ("finished_reason",)),
     _counter("tpserve_prefix_cache_queries_total", "Prefix-cache lookups, in tokens."),
     _counter("tpserve_prefix_cache_hits_total", "Prefix-cache hits, in tokens."),
+    _counter(
+        "tpserve_kv_events_total",
+        "KV-cache events handed to the kv_events publisher, by vLLM event type (0 while kv_events is off).",
+        ("event_type",),
+    ),
     # Histograms, one observation per engine step.
     _histogram("tpserve_iteration_prefill_tokens", "Prefill tokens computed in one step.", "batch_tokens"),
     _histogram("tpserve_iteration_decode_tokens", "Decode tokens computed in one step.", "batch_tokens"),
@@ -119,18 +143,17 @@ METRIC_DEFINITIONS: tuple[MetricDefinition, ...] = (
     _histogram("tpserve_iteration_duration_seconds", "Duration of one engine step.", "time"),
     _histogram("tpserve_model_forward_duration_seconds", "Duration of the model forward of one step.", "time"),
     # Histograms, one observation per finished request (aborted ones included).
-    _histogram("tpserve_request_queue_time_seconds", "First SCHEDULED - QUEUED.", "time"),
-    _histogram("tpserve_request_prefill_time_seconds", "First NEW_TOKENS - first SCHEDULED.", "time"),
-    _histogram("tpserve_time_to_first_token_seconds", "First token handed to the client - ARRIVED.", "time"),
-    _histogram("tpserve_inter_token_latency_seconds", "Gap between successive NEW_TOKENS of a request.", "time"),
-    _histogram("tpserve_request_decode_time_seconds", "Last NEW_TOKENS - first NEW_TOKENS.", "time"),
-    _histogram("tpserve_request_inference_time_seconds", "Last NEW_TOKENS - first SCHEDULED.", "time"),
-    _histogram("tpserve_request_time_per_output_token_seconds", "Decode time / (generated tokens - 1).", "time"),
-    _histogram("tpserve_e2e_request_latency_seconds", "RESPONDED - ARRIVED.", "time"),
-    _histogram(
+    _request_latency("tpserve_request_queue_time_seconds", "First SCHEDULED - QUEUED."),
+    _request_latency("tpserve_request_prefill_time_seconds", "First NEW_TOKENS - first SCHEDULED."),
+    _request_latency("tpserve_time_to_first_token_seconds", "First token handed to the client - ARRIVED."),
+    _request_latency("tpserve_inter_token_latency_seconds", "Gap between successive NEW_TOKENS of a request."),
+    _request_latency("tpserve_request_decode_time_seconds", "Last NEW_TOKENS - first NEW_TOKENS."),
+    _request_latency("tpserve_request_inference_time_seconds", "Last NEW_TOKENS - first SCHEDULED."),
+    _request_latency("tpserve_request_time_per_output_token_seconds", "Decode time / (generated tokens - 1)."),
+    _request_latency("tpserve_e2e_request_latency_seconds", "RESPONDED - ARRIVED."),
+    _request_latency(
         "tpserve_request_preemption_stall_seconds",
         "Sum over preemptions of (next NEW_TOKENS after it - PREEMPTED).",
-        "time",
     ),
     _histogram("tpserve_request_num_preemptions", "Preemptions of one request.", "preemptions"),
     _histogram("tpserve_request_prompt_tokens", "Prompt tokens of one request.", "request_tokens"),

@@ -4,17 +4,26 @@
 increments and histogram observations by metric name (names from `metrics.definitions`).
 A concrete exporter (prometheus-client, Ray) only builds its metric objects from
 `METRIC_DEFINITIONS` and implements the three primitives, so both export the same numbers.
+
+A finished request's observations in the histograms marked `trace_exemplars` carry its trace id
+as an exemplar when it has one (tracing on); an exporter without exemplars (Ray) ignores it.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 
-from metrics.definitions import METRICS_BY_NAME, normalize_finished_reason
+from metrics.definitions import (
+    METRICS_BY_NAME,
+    TRACE_ID_EXEMPLAR_LABEL,
+    normalize_finished_reason,
+)
 from metrics.stat_logger import StatLogger
 from metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 NoLabels: dict[str, str] = {}
+# An exemplar: its labels (here only the trace id), attached to one histogram observation.
+Exemplar = dict[str, str]
 
 
 class MetricsExporter(StatLogger):
@@ -35,18 +44,20 @@ class MetricsExporter(StatLogger):
         """Add `value` (> 0) to counter `name`."""
 
     @abstractmethod
-    def _observe(self, name: str, value: float, labels: dict[str, str] = NoLabels) -> None:
-        """Observe `value` in histogram `name`."""
+    def _observe(self, name: str, value: float, labels: dict[str, str] = NoLabels,
+                 exemplar: Exemplar | None = None) -> None:
+        """Observe `value` in histogram `name`, with `exemplar` where the exporter keeps them."""
 
     def _inc_if_positive(self, name: str, value: float, labels: dict[str, str] = NoLabels) -> None:
         # Ray refuses increments <= 0; an increment of 0 changes nothing anyway.
         if value > 0:
             self._inc_counter(name, value, labels)
 
-    def _observe_if_known(self, name: str, value: float | None) -> None:
-        # Intervals the request never reached are None: skipped, never observed as 0.
+    def _observe_request(self, name: str, value: float | None, exemplar: Exemplar | None) -> None:
+        # Intervals the request never reached are None: skipped, never observed as 0. Only the
+        # histograms marked `trace_exemplars` take the request's exemplar.
         if value is not None:
-            self._observe(name, value)
+            self._observe(name, value, exemplar=exemplar if METRICS_BY_NAME[name].trace_exemplars else None)
 
     # --- StatLogger
 
@@ -61,6 +72,9 @@ class MetricsExporter(StatLogger):
         scheduler = iteration.scheduler
         self.record_state(scheduler)
         self._record_step_work(iteration)
+        if iteration.kv_events is not None:
+            for event_type, count in iteration.kv_events.by_type().items():
+                self._inc_if_positive("tpserve_kv_events_total", count, {"event_type": event_type})
 
     def record_state(self, scheduler: SchedulerStats) -> None:
         # Queue gauges, as the scheduler left them after this step (or change outside a step).
@@ -107,16 +121,18 @@ class MetricsExporter(StatLogger):
     def record_finished(self, stats: FinishedRequestStats) -> None:
         reason = normalize_finished_reason(stats.finished_reason)
         self._inc_counter("tpserve_request_success_total", 1, {"finished_reason": reason})
-        self._observe_if_known("tpserve_request_queue_time_seconds", stats.queue_time)
-        self._observe_if_known("tpserve_request_prefill_time_seconds", stats.prefill_time)
-        self._observe_if_known("tpserve_time_to_first_token_seconds", stats.ttft)
+        # The trace id is the exemplar's only label: nothing of the request's content.
+        exemplar = {TRACE_ID_EXEMPLAR_LABEL: stats.trace_id} if stats.trace_id else None
+        self._observe_request("tpserve_request_queue_time_seconds", stats.queue_time, exemplar)
+        self._observe_request("tpserve_request_prefill_time_seconds", stats.prefill_time, exemplar)
+        self._observe_request("tpserve_time_to_first_token_seconds", stats.ttft, exemplar)
         for gap in stats.itl:
-            self._observe("tpserve_inter_token_latency_seconds", gap)
-        self._observe_if_known("tpserve_request_decode_time_seconds", stats.decode_time)
-        self._observe_if_known("tpserve_request_inference_time_seconds", stats.inference_time)
-        self._observe_if_known("tpserve_request_time_per_output_token_seconds", stats.tpot)
-        self._observe_if_known("tpserve_e2e_request_latency_seconds", stats.e2e_latency)
-        self._observe("tpserve_request_preemption_stall_seconds", stats.preemption_stall)
-        self._observe("tpserve_request_num_preemptions", stats.num_preemptions)
-        self._observe("tpserve_request_prompt_tokens", stats.num_prompt_tokens)
-        self._observe("tpserve_request_generation_tokens", stats.num_generation_tokens)
+            self._observe_request("tpserve_inter_token_latency_seconds", gap, exemplar)
+        self._observe_request("tpserve_request_decode_time_seconds", stats.decode_time, exemplar)
+        self._observe_request("tpserve_request_inference_time_seconds", stats.inference_time, exemplar)
+        self._observe_request("tpserve_request_time_per_output_token_seconds", stats.tpot, exemplar)
+        self._observe_request("tpserve_e2e_request_latency_seconds", stats.e2e_latency, exemplar)
+        self._observe_request("tpserve_request_preemption_stall_seconds", stats.preemption_stall, exemplar)
+        self._observe_request("tpserve_request_num_preemptions", stats.num_preemptions, exemplar)
+        self._observe_request("tpserve_request_prompt_tokens", stats.num_prompt_tokens, exemplar)
+        self._observe_request("tpserve_request_generation_tokens", stats.num_generation_tokens, exemplar)

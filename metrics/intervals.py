@@ -190,8 +190,10 @@ def make_finished_stats(
     num_prompt_tokens: int,
     num_generation_tokens: int,
     num_cached_prompt_tokens: int,
+    trace_id: str | None = None,
 ) -> FinishedRequestStats:
-    """Build the per-request stats of a finished (stopped, truncated or aborted) request."""
+    """Build the per-request stats of a finished (stopped, truncated or aborted) request;
+    `trace_id`: its trace's id when tracing is on (the exemplar of its latencies)."""
     intervals = compute_intervals(events, num_generation_tokens)
     return FinishedRequestStats(
         finished_reason=finished_reason,
@@ -208,4 +210,5 @@ def make_finished_stats(
         e2e_latency=intervals.e2e_latency,
         preemption_stall=intervals.preemption_stall,
         itl=intervals.itl,
+        trace_id=trace_id,
     )

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from metrics.definitions import METRIC_DEFINITIONS, MODEL_NAME_LABEL, MetricDefinition, node_wide_buckets
-from metrics.exporter import MetricsExporter, NoLabels
+from metrics.exporter import Exemplar, MetricsExporter, NoLabels
 
 
 class RayStatLogger(MetricsExporter):
@@ -72,5 +72,7 @@ class RayStatLogger(MetricsExporter):
     def _inc_counter(self, name: str, value: float, labels: dict[str, str] = NoLabels) -> None:
         self.metrics[name].inc(float(value), tags=labels or None)
 
-    def _observe(self, name: str, value: float, labels: dict[str, str] = NoLabels) -> None:
+    def _observe(self, name: str, value: float, labels: dict[str, str] = NoLabels,
+                 exemplar: Exemplar | None = None) -> None:
+        # Ray's metrics have no exemplars: the trace link is on /metrics only (docs/tracing.md).
         self.metrics[name].observe(float(value), tags=labels or None)

@@ -6,7 +6,10 @@ The scheduler fills `KVCacheSnapshot` and `SchedulerStats`; the engine adds timi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from metrics.definitions import KV_EVENT_TYPES
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,29 @@ class SchedulerStats:
     generation_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class KVEventCounts:
+    """KV-cache events of one step handed to the kv_events publisher, by vLLM event type."""
+
+    # BlockStored events (each may carry several blocks).
+    block_stored: int = 0
+    # BlockRemoved events.
+    block_removed: int = 0
+    # AllBlocksCleared events.
+    all_blocks_cleared: int = 0
+
+    @classmethod
+    def of(cls, events: Iterable[object]) -> "KVEventCounts":
+        """Counts of a step's event records (scheduler/kv_events.py), told apart by class name:
+        those are vLLM's type names, and metrics must not import the scheduler."""
+        names = [type(event).__name__ for event in events]
+        return cls(*(names.count(event_type) for event_type in KV_EVENT_TYPES))
+
+    def by_type(self) -> dict[str, int]:
+        """The counts under their `event_type` label values."""
+        return dict(zip(KV_EVENT_TYPES, (self.block_stored, self.block_removed, self.all_blocks_cleared)))
+
+
 @dataclass
 class IterationStats:
     """One engine step as the stat loggers see it: the scheduler's view plus timings and tokens."""
@@ -96,6 +122,8 @@ class IterationStats:
     num_generation_tokens: int = 0
     # Requests that finished this step (engine-side view).
     finished: list["FinishedRequestStats"] = field(default_factory=list)
+    # KV-cache events this step handed to the kv_events publisher; None with kv_events off.
+    kv_events: KVEventCounts | None = None
 
 
 @dataclass
@@ -123,3 +151,6 @@ class FinishedRequestStats:
     preemption_stall: float = 0.0
     # Inter-token latency samples, one per gap between successive NEW_TOKENS events.
     itl: list[float] = field(default_factory=list)
+    # The request's OpenTelemetry trace id (32 lower-case hex digits) when tracing is on: the
+    # exemplar of its latency observations. None with tracing off (no exemplar).
+    trace_id: str | None = None

@@ -263,13 +263,15 @@ class RequestTracer:
             carrier[TRACESTATE_HEADER] = trace_headers.tracestate
         return self._propagator.extract(carrier, context=Context())
 
-    def record(self, request: FinishedRequestTrace) -> None:
-        """Emit the spans of a request that just finished."""
+    def record(self, request: FinishedRequestTrace) -> str | None:
+        """Emit the spans of a request that just finished; return their trace id (32 lower-case
+        hex digits: the client's trace, or the new one), the exemplar of the request's latency
+        observations. None when the request has no span."""
         from opentelemetry import trace
 
         planned = plan_request_spans(request)
         if not planned:
-            return
+            return None
         # Monotonic seconds -> Unix nanoseconds, one offset for the whole request, so that
         # every span's duration is the difference of its two events exactly (to the ns).
         offset_ns = time.time_ns() - time.monotonic_ns()
@@ -293,6 +295,7 @@ class RequestTracer:
                 span.add_event(name, event_attributes, timestamp=unix_ns(ts))
             span.end(end_time=unix_ns(span_plan.end_ts))
             contexts.append(trace.set_span_in_context(span))
+        return trace.format_trace_id(trace.get_current_span(contexts[0]).get_span_context().trace_id)
 
     def shutdown(self) -> None:
         """Export what is queued and stop the exporter (engine shutdown)."""

@@ -234,7 +234,7 @@ def test_dashboard_structure():
         "used vs cached vs capacity", "usage", "prefill vs decode", "preemption rate by phase",
         "running / waiting", "time to first token", "inter-token latency", "time per output token",
         "queue / prefill / decode / inference / e2e", "preemption stall", "throughput",
-        "finished requests by reason", "epp signal",
+        "finished requests by reason", "epp signal", "kv events rate",
     ):
         assert words in titles, words
     assert sum("p99" in p["title"] for p in panels) >= 5 and sum("p50" in p["title"] for p in panels) >= 5
@@ -260,6 +260,49 @@ def test_every_endpoint_picker_signal_has_a_per_pod_panel():
     info_targets = [t["expr"] for title, t in targets(load_dashboard()) if title.startswith("EPP signal") and "_cache_config_info" in t["expr"]]
     assert any(engine["cacheBlockSizeLabelName"] in e and engine["cacheNumBlocksLabelName"] in e and "num_gpu_blocks" in e
                for e in info_targets)
+
+
+def exemplar_problems(dashboard: dict[str, Any]) -> list[str]:
+    """Targets that should show trace exemplars and do not, or ask for some where there are none:
+    a target shows them exactly when it reads the buckets of a histogram whose observations carry
+    trace ids (`trace_exemplars` in metrics.definitions, docs/tracing.md)."""
+    from metrics.definitions import METRIC_DEFINITIONS
+
+    traced_buckets = {d.name + "_bucket" for d in METRIC_DEFINITIONS if d.trace_exemplars}
+    problems, shown = [], set()
+    for title, target in targets(dashboard):
+        info = parse_promql(substitute_variables(target["expr"], variable_values("tpserve")))
+        reads_traced = bool(info.metrics & traced_buckets)
+        shown |= info.metrics & traced_buckets
+        if target.get("exemplar", False) is not reads_traced:
+            problems.append(f"{title} {target['refId']}: exemplar should be {reads_traced}")
+    problems += [f"no panel shows the exemplars of {name}" for name in sorted(traced_buckets - shown)]
+    return problems
+
+
+def test_latency_panels_show_trace_exemplars():
+    assert exemplar_problems(load_dashboard()) == []
+    # The latency panels the issue names are among them.
+    titles = {title for title, target in targets(load_dashboard()) if target.get("exemplar")}
+    for words in ("Time to first token", "Inter-token latency", "Time per output token", "e2e"):
+        assert any(words in title for title in titles), words
+
+
+def test_exemplar_check_rejects_a_missing_or_stray_exemplar():
+    dashboard = copy.deepcopy(load_dashboard())
+    _first_expr_target(dashboard, "_time_to_first_token_seconds_bucket").pop("exemplar")
+    assert any("Time to first token" in p and "should be True" in p for p in exemplar_problems(dashboard))
+    dashboard = copy.deepcopy(load_dashboard())
+    _first_expr_target(dashboard, "_iteration_tokens_total_bucket")["exemplar"] = True
+    assert any("should be False" in p for p in exemplar_problems(dashboard))
+
+
+def test_kv_events_rate_panel_reads_the_events_by_type():
+    (panel,) = [p for p in iter_panels(load_dashboard()["panels"]) if p.get("title", "").startswith("KV events rate")]
+    (target,) = panel["targets"]
+    info = parse_promql(substitute_variables(target["expr"], variable_values("tpserve")))
+    assert info.metrics == {"tpserve_kv_events_total"} and "event_type" in info.labels
+    assert "rate" in info.functions
 
 
 # ---------------------------------------------------------------------------------------------

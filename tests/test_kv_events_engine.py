@@ -4,6 +4,7 @@ engine's block pool, through prefix hits and the evictions of a cache too small 
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -29,9 +30,12 @@ class CountingSubscriber(Subscriber):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.stored = self.removed = 0
+        # Events received, by their wire tag.
+        self.events: collections.Counter[str] = collections.Counter()
 
     def _apply(self, seq: int, payload: bytes) -> None:
         for event in self.decoder.decode(payload).events:
+            self.events[type(event).__struct_config__.tag] += 1
             if isinstance(event, VllmBlockStored):
                 self.stored += len(event.block_hashes)
             elif isinstance(event, VllmBlockRemoved):
@@ -50,6 +54,8 @@ def test_the_engine_publishes_every_step_and_a_subscriber_sees_its_cache(tmp_pat
     rng = random.Random(0)
     prefixes = [[rng.randrange(3, 200) for _ in range(40)] for _ in range(3)]
     hits = 0
+    # tpserve_kv_events_total's increments: each step's counts of what it handed the publisher.
+    counted: collections.Counter[str] = collections.Counter()
     try:
         for round_index in range(5):
             for n in range(4):
@@ -58,11 +64,15 @@ def test_the_engine_publishes_every_step_and_a_subscriber_sees_its_cache(tmp_pat
             while engine.has_unfinished_requests():
                 engine.step()
                 hits += engine.last_iteration.scheduler.prefix_cache_hits
+                if engine.last_iteration.kv_events is not None:
+                    counted.update(engine.last_iteration.kv_events.by_type())
             subscriber.sync(publisher._next_seq)  # a quiet point: nothing moves until the next step
             assert subscriber.hashes == {publisher.wire.block_hash(k) for k in pool.cached_keys}
         assert pool.cached_keys and subscriber.stored > len(pool.cached_keys)
         assert subscriber.removed > 0, "the load evicted cached blocks"
         assert hits > 0, "requests found their prefixes cached"
+        # The steps counted every event subscribers got, but the start's AllBlocksCleared (batch 0).
+        assert +counted + collections.Counter({"AllBlocksCleared": 1}) == subscriber.events
     finally:
         subscriber.close()
         engine.shutdown()

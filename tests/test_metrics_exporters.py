@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from metrics.definitions import (
     CACHE_CONFIG_LABELS,
     FINISHED_REASONS,
+    KV_EVENT_TYPES,
     METRIC_DEFINITIONS,
     METRICS_BY_NAME,
     PREEMPTION_PHASES,
@@ -21,7 +22,7 @@ from metrics.definitions import (
 from metrics.prometheus_logger import PrometheusStatLogger
 from metrics.ray_logger import RayStatLogger
 from metrics.startup import cache_config_info
-from metrics.stats import FinishedRequestStats, IterationStats, KVCacheSnapshot, SchedulerStats
+from metrics.stats import FinishedRequestStats, IterationStats, KVCacheSnapshot, KVEventCounts, SchedulerStats
 from workers.distributed.ports import free_port
 
 MODEL = "smollm2"
@@ -35,7 +36,7 @@ SPEC_NAMES = {
     # counters
     "tpserve_prompt_tokens_total", "tpserve_prefill_tokens_computed_total", "tpserve_prompt_tokens_cached_total",
     "tpserve_generation_tokens_total", "tpserve_num_preemptions_total", "tpserve_request_success_total",
-    "tpserve_prefix_cache_queries_total", "tpserve_prefix_cache_hits_total",
+    "tpserve_prefix_cache_queries_total", "tpserve_prefix_cache_hits_total", "tpserve_kv_events_total",
     # per-step histograms
     "tpserve_iteration_prefill_tokens", "tpserve_iteration_decode_tokens", "tpserve_iteration_tokens_total",
     "tpserve_iteration_num_requests", "tpserve_iteration_duration_seconds", "tpserve_model_forward_duration_seconds",
@@ -70,6 +71,7 @@ STEP = IterationStats(
     num_prompt_tokens=30,
     num_prompt_tokens_cached=32,
     num_generation_tokens=3,
+    kv_events=KVEventCounts(block_stored=2, block_removed=1, all_blocks_cleared=0),
 )
 FINISHED = FinishedRequestStats(
     finished_reason="stop",
@@ -181,6 +183,10 @@ def test_prometheus_step_sets_gauges_and_counters_exactly():
         assert value(samples, name, model_name=MODEL) == expected, name
     assert value(samples, "tpserve_num_preemptions_total", phase="prefill") == 2
     assert value(samples, "tpserve_num_preemptions_total", phase="decode") == 4
+    # KV events of the two steps by type; a type with none stays at 0.
+    assert value(samples, "tpserve_kv_events_total", event_type="BlockStored") == 4
+    assert value(samples, "tpserve_kv_events_total", event_type="BlockRemoved") == 2
+    assert value(samples, "tpserve_kv_events_total", event_type="AllBlocksCleared") == 0
     info = value(samples, "tpserve_cache_config_info", model_name=MODEL, **INFO)
     assert info == 1
     # per-step histograms: two observations each
@@ -234,7 +240,7 @@ def test_prometheus_every_series_has_model_name_and_bounded_labels():
     logger.log_cache_config(INFO)
     logger.record(STEP)
     logger.record_finished(FINISHED)
-    allowed = {"model_name", "phase", "finished_reason", "le", *CACHE_CONFIG_LABELS}
+    allowed = {"model_name", "phase", "finished_reason", "event_type", "le", *CACHE_CONFIG_LABELS}
     for family in text_string_to_metric_families(logger.render().decode()):
         for sample in family.samples:
             assert sample.labels.get("model_name") == MODEL, sample
@@ -243,6 +249,8 @@ def test_prometheus_every_series_has_model_name_and_bounded_labels():
                 assert sample.labels["phase"] in PREEMPTION_PHASES
             if "finished_reason" in sample.labels:
                 assert sample.labels["finished_reason"] in FINISHED_REASONS
+            if "event_type" in sample.labels:
+                assert sample.labels["event_type"] in KV_EVENT_TYPES
 
 
 def test_two_prometheus_loggers_do_not_collide():
@@ -309,6 +317,7 @@ def test_ray_exports_the_same_names_with_ray_prefix(ray_metrics_port):
     assert value(samples, "ray_tpserve_prompt_tokens_total", model_name=MODEL) == 30
     assert value(samples, "ray_tpserve_num_preemptions_total", phase="decode") == 2
     assert value(samples, "ray_tpserve_request_success_total", finished_reason="abort") == 1
+    assert value(samples, "ray_tpserve_kv_events_total", event_type="BlockStored") == 2
     assert value(samples, "ray_tpserve_inter_token_latency_seconds_count") == 3
     assert value(samples, "ray_tpserve_cache_config_info", **INFO) == 1
     for name in sample_names:

@@ -16,7 +16,7 @@ from scheduler.admission import check_admission
 from deployments.engine.output_processor import OutputProcessor
 from deployments.engine.outputs import RequestOutput
 from deployments.engine.structured_output import GRAMMAR_FAILED_MESSAGE, GrammarLimits, StructuredOutputManager
-from metrics.stats import IterationStats
+from metrics.stats import IterationStats, KVEventCounts
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
@@ -222,8 +222,12 @@ class LLMEngine:
         runner_output = self.executor.execute_model(scheduler_output)
         self.scheduler.observe_step_time(runner_output.forward_time)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        kv_events = None
         if self.kv_event_publisher is not None:
-            self.kv_event_publisher.publish(self.scheduler.kv.take_events())
+            kv_event_batch = self.scheduler.kv.take_events()
+            self.kv_event_publisher.publish(kv_event_batch)
+            if kv_event_batch is not None:
+                kv_events = KVEventCounts.of(kv_event_batch.events)
         if self._structured_output.num_constrained:
             self._advance_grammars(updates, grammar_failures)
         outputs = self.output_processor.process(updates, grammar_failures)
@@ -240,6 +244,7 @@ class LLMEngine:
             num_prompt_tokens=stats.prompt_tokens_completed,
             num_prompt_tokens_cached=stats.cached_prompt_tokens_completed,
             num_generation_tokens=stats.generation_tokens,
+            kv_events=kv_events,
         )
         return outputs
 

@@ -190,11 +190,11 @@ class EngineMetrics:
             record.responded = True  # FINISHED will follow (abort pending); finish then
             return
         del self._records[request_id]
+        # Spans first: their trace id is the exemplar of the request's latency observations.
+        trace_id = self._trace(request_id, record) if self.tracer is not None else None
         stats = make_finished_stats(record.events, record.finish_reason, record.num_prompt_tokens,
-                                    record.num_output_tokens, record.num_cached_tokens)
+                                    record.num_output_tokens, record.num_cached_tokens, trace_id)
         self._fanout.record_finished(stats)
-        if self.tracer is not None:
-            self._trace(request_id, record)
         self.timelines.add(
             request_id,
             record.events,
@@ -207,9 +207,10 @@ class EngineMetrics:
             num_generation_tokens=record.num_output_tokens,
         )
 
-    def _trace(self, request_id: str, record: RequestRecord) -> None:
+    def _trace(self, request_id: str, record: RequestRecord) -> str | None:
+        """Emit the request's spans; their trace id, or None when tracing it failed."""
         try:
-            self.tracer.record(FinishedRequestTrace(
+            return self.tracer.record(FinishedRequestTrace(
                 request_id=request_id,
                 events=record.events,
                 finish_reason=record.finish_reason,
@@ -220,6 +221,7 @@ class EngineMetrics:
             ))
         except Exception:  # noqa: BLE001 - tracing, like every metric, must never stop the engine
             logger.warning("tracing request %s failed", request_id, exc_info=True)
+            return None
 
     def shutdown(self) -> None:
         """Flush what tracing still holds (the engine is going away)."""
@@ -272,10 +274,11 @@ class EngineMetrics:
     def wants_request_metrics(self, flag_from_body: bool) -> bool:
         return self.request_metrics_default or bool(flag_from_body)
 
-    def render_metrics(self) -> bytes:
-        """The Prometheus text of GET /metrics (empty without a Prometheus logger)."""
+    def render_metrics(self, openmetrics_format: bool = False) -> bytes:
+        """The body of GET /metrics: Prometheus text, or OpenMetrics with the trace exemplars
+        (empty without a Prometheus logger)."""
         prometheus = next((x for x in self.loggers if isinstance(x, PrometheusStatLogger)), None)
-        return prometheus.render() if prometheus is not None else b""
+        return prometheus.render(openmetrics_format) if prometheus is not None else b""
 
     def get_timeline(self, request_id: str, fmt: str = "json"):
         entry = self.timelines.get(request_id)

@@ -35,9 +35,7 @@ from deployments.http.serving_common import created_ts, request_deadline_s, tena
 from deployments.http.tokenize import add_tokenize_routes
 from deployments.http.validation import RequestLimits
 from metrics.events import now
-
-# Prometheus text exposition format, version 0.0.4.
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from metrics.prometheus_logger import OPENMETRICS_CONTENT_TYPE, PROMETHEUS_TEXT_CONTENT_TYPE, wants_openmetrics
 
 # The operator lines' logger (deployments/replica_logging.py routes it in a Serve replica).
 logger = logging.getLogger("tpserve")
@@ -159,8 +157,12 @@ def add_operations_routes(app: FastAPI, engine: EngineClient, health: HealthMoni
         raise APIError(503, "The engine is not healthy.", code="engine_unhealthy")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(engine.metrics.render_metrics(), media_type=METRICS_CONTENT_TYPE)
+    async def metrics(request: Request) -> Response:
+        # OpenMetrics (which alone carries the trace exemplars) only for a scraper that asks for
+        # it, as Prometheus does; everyone else gets the 0.0.4 text, as before.
+        if wants_openmetrics(request.headers.get("accept")):
+            return Response(engine.metrics.render_metrics(openmetrics_format=True), media_type=OPENMETRICS_CONTENT_TYPE)
+        return Response(engine.metrics.render_metrics(), media_type=PROMETHEUS_TEXT_CONTENT_TYPE)
 
     @app.get("/v1/requests/{request_id}/timeline")
     async def timeline(
