@@ -3,8 +3,9 @@ replaces (SDPA per chunk: causal from its own K/V at position 0, gathered blocks
 cached context): one call for several chunks, chunks at position 0 and after cached tokens, query
 lengths across the kernel's 16-token query tiles and 64-key tiles, GQA, sliding windows and soft
 caps, float32 and bf16, through the vectorized tiles (head_dim a multiple of 16) and the portable
-loops (head_dim 40); its refusals of chunks and tables that would read outside the step or the
-cache; and engines whose greedy tokens do not change with it."""
+loops (head_dim 40); its bf16 tiles (AVX512-BF16) against an exact float64 softmax(Q K^T) V; its
+refusals of chunks and tables that would read outside the step or the cache; and engines whose
+greedy tokens do not change with it (bf16 on the default model: equal to Hugging Face's)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kv_layouts import head_major
 from model_fixtures import make_tiny_llama
 from kernel_requirements import requires_kernels
 from workers.cpu import kernels as cpu_ops
-from workers.attention.paged import AttentionMetadata, PrefillChunk
+from workers.attention.paged import AttentionMetadata, PrefillChunk, prefill_kernel_serves
 from workers.model.backend import TORCH, CpuKernelBackend
 from workers.runner.decode_inputs import padded_block_tables
 
@@ -143,8 +144,9 @@ def test_bf16_sdpa_path_pads_rows_and_matches_unpadded_sdpa(chunks):
         torch.testing.assert_close(padded[s : s + n].view(n, 9, 64).float(), expected.float(), rtol=0, atol=0.07)
 
 
-def test_prefill_kernel_reads_a_head_major_cache_as_it_reads_a_token_major_one():
-    q, k, v, k_cache, v_cache, meta = _step(torch.float32, 9, 3, 64, [(5, 300), (64, 64), (40, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_reads_a_head_major_cache_as_it_reads_a_token_major_one(dtype):
+    q, k, v, k_cache, v_cache, meta = _step(dtype, 9, 3, 64, [(5, 300), (64, 64), (40, 130)])
 
     outs, caches = [], []
     for kc, vc in ((k_cache.clone(), v_cache.clone()), (head_major(k_cache), head_major(v_cache))):
@@ -201,4 +203,119 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_prefill_kernel(t
     while engine.has_unfinished_requests():
         hits = [out.num_cached_tokens for out in engine.step() if out.finished]
     assert hits == [64]
-    assert make_engine(path, dtype="bfloat16").executor.worker.backend.prefill_attention is False
+    bf16 = make_engine(path, dtype="bfloat16").executor.worker.backend
+    assert bf16.prefill_attention == prefill_kernel_serves(torch.bfloat16)
+
+
+def _hf_bf16_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF's bf16 model (SDPA attention: torch's flash attention on CPU) with its KV cache, argmax
+    at every step: the reference for tpserve's bf16 engine."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    tokens: list[int] = []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(max_new_tokens):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+@pytest.mark.slow
+def test_bf16_greedy_tokens_of_the_default_model_equal_hf_with_chunked_prompts():
+    """SmolLM2 in bf16, the engine's prefill through the kernel where prefill_kernel_serves says so
+    (AMX builds): a ~700-token prompt prefilled in 256-token chunks (each after the first reads its
+    context from the cache) and two short prompts in the same steps generate HF's greedy tokens."""
+    from transformers import AutoTokenizer
+
+    from engine_helpers import PROMPTS
+    from model_fixtures import default_model_path
+
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    long_ids = tokenizer(" ".join(PROMPTS * 8))["input_ids"][:700]
+    prompts = {"long": long_ids, "short0": tokenizer(PROMPTS[0])["input_ids"], "short1": tokenizer(PROMPTS[3])["input_ids"]}
+    assert len(long_ids) == 700
+    engine = make_engine(path, dtype="bfloat16", max_num_batched_tokens=256)
+    assert engine.executor.worker.backend.prefill_attention == prefill_kernel_serves(torch.bfloat16)
+    outputs = run_engine(engine, {rid: (ids, greedy(8)) for rid, ids in prompts.items()})
+    assert outputs == {rid: _hf_bf16_greedy(path, ids, 8) for rid, ids in prompts.items()}
+
+
+def _exact_attention(q, k_cache, v_cache, prefills, scale, window=None, soft_cap=None):
+    """The independent reference: per chunk, softmax(scale * Q K^T) V in float64 from the step's own
+    values (bf16 inputs are exact in float64), causal from the chunk's offset, with HF's window
+    (key j visible from position p when p - window < j <= p) and soft cap (cap * tanh(s / cap))."""
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for chunk in prefills:
+        s, n, context = chunk.query_start, chunk.query_len, chunk.context_len
+
+        def context_rows(cache):
+            rows = cache[chunk.block_table].reshape(-1, kv_heads, cache.shape[-1])[:context].double()
+            return rows.repeat_interleave(heads // kv_heads, dim=1)  # [context, H, D]
+
+        scores = torch.einsum("nhd,khd->hnk", q[s : s + n].double(), context_rows(k_cache)) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        positions, keys = torch.arange(context - n, context)[:, None], torch.arange(context)[None, :]
+        visible = (keys <= positions) & ((keys > positions - window) if window is not None else True)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[s : s + n] = torch.einsum("hnk,khd->nhd", probs, context_rows(v_cache))
+    return out
+
+
+def _assert_near_exact_bf16(actual, exact, v_cache):
+    """bf16 against the float64 reference. The inputs are the same bf16 values and products of two
+    are exact in float32, so the error comes from (a) the probabilities rounded to bf16 before P V
+    (torch's flash attention for reduced types does it too): each |dp| <= 2^-9 p, so the output
+    moves by at most 2^-9 * max|v|, the weights summing to 1; (b) the output's own rounding to
+    bf16, at most 2^-9 of it; float32 sums and exp add ~1e-6 relative. Bound: atol 2^-9 max|v|,
+    rtol 2^-8 (twice (b))."""
+    atol = 2.0 ** -9 * float(v_cache.abs().max())
+    torch.testing.assert_close(actual.double(), exact.view(actual.shape), rtol=2.0 ** -8, atol=atol)
+
+
+# bf16 chunk mixes: odd lengths (not multiples of the 16-query tiles, 16-key panels or 64-key
+# tiles), chunks after cached context (a long prompt's later chunks, prefix-cache hits), several
+# in one call, one single-token chunk.
+BF16_CHUNKS = [
+    [(37, 37)],
+    [(1, 77), (213, 1001), (19, 19)],
+    [(300, 2100), (45, 45)],
+    [(17, 33), (96, 96), (129, 250)],
+]
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (64, 4, 4), (64, 8, 2), (32, 16, 2),
+                                                    (128, 8, 1), (48, 12, 3), (80, 10, 2), (40, 6, 2)],
+                         ids=["d64-g3", "d64-g1", "d64-g4", "d32-g8", "d128-g8", "d48-g4", "d80-g5", "d40-g3-portable"])
+@pytest.mark.parametrize("chunks", BF16_CHUNKS, ids=[f"chunks{i}" for i in range(len(BF16_CHUNKS))])
+def test_bf16_kernel_is_within_bf16_rounding_of_exact_attention(head_dim, heads, kv_heads, chunks):
+    q, k, v, k_cache, v_cache, meta = _step(torch.bfloat16, heads, kv_heads, head_dim, chunks)
+    scale = head_dim ** -0.5
+    out = KERNELS.attention(q, k, v, k_cache, v_cache, meta(True), scale)  # writes k, v into the caches
+    exact = _exact_attention(q, k_cache, v_cache, meta(True).prefills, scale)
+    _assert_near_exact_bf16(out.view(q.shape), exact, v_cache)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(20, None), (100, None), (None, 30.0), (37, 30.0), (1, None)])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_bf16_kernel_windows_and_soft_caps_against_exact_attention(window, soft_cap, head_dim):
+    chunks = [(150, 150), (40, 250), (3, 90), (77, 333)]
+    q, k, v, k_cache, v_cache, meta = _step(torch.bfloat16, 9, 3, head_dim, chunks)
+    scale = head_dim ** -0.5
+    out = KERNELS.attention(q, k, v, k_cache, v_cache, meta(True), scale, window, soft_cap)
+    exact = _exact_attention(q, k_cache, v_cache, meta(True).prefills, scale, window, soft_cap)
+    _assert_near_exact_bf16(out.view(q.shape), exact, v_cache)
+
+
+def test_bf16_tiles_are_built_where_the_cpu_has_them():
+    """The amx variant runs bf16 steps on AMX tiles, avx512_bf16 on vdpbf16ps register tiles; the
+    others compile both away (bf16 widened to the float32 tiles). Only AMX routes bf16 prefill to
+    the kernel (workers/attention/paged.py prefill_kernel_serves)."""
+    expected = {"amx": "amx", "avx512_bf16": "avx512_bf16"}.get(cpu_ops.loaded_variant(), "float32")
+    assert cpu_ops.ops().prefill_attention_bf16_path() == expected
+    assert prefill_kernel_serves(torch.bfloat16) == (expected == "amx")
+    assert prefill_kernel_serves(torch.float32)

@@ -7,8 +7,8 @@ through its block table:
     longest context and masked;
   * prefill chunks: one SDPA call each, causal with an offset for the context already cached
     (a chunk that starts at position 0 uses its own K/V directly, no gather); with the CPU
-    kernels in float32, one flash-attention call for all chunks that reads the blocks in place
-    (in bf16 SDPA stays: torch's flash attention runs on AMX tiles, the kernel in float32).
+    kernels, one flash-attention call for all chunks that reads the blocks in place, in float32
+    and, on AMX builds, in bf16 (prefill_kernel_serves says where).
 A layer may add a sliding window (keys more than window - 1 positions behind the query are
 masked) and a logit soft cap (Gemma 2: eager attention, since SDPA has no hook before the softmax).
 GQA is handled without copying K/V per query head: the query heads that share a KV head are
@@ -77,12 +77,26 @@ class AttentionMetadata:
     # [num_prefills, max_blocks] int32 block tables of those chunks, padded with the null block.
     prefill_block_tables: torch.Tensor | None = None
     # With the chunk table set: True, the chunks go through the CPU prefill kernel; False, through
-    # SDPA per chunk (bf16: torch's flash attention, on AMX tiles where the CPU has them), the
+    # SDPA per chunk (where prefill_kernel_serves says no, or the config turns the kernel off), the
     # table then only lets the CPU layer stack run the step (workers/model/cpu_layer_stack.py).
     prefill_kernel: bool = True
     # Tensors the GPU kernels derive from the fields above once per step (varlen_attn's cumulative
     # query lengths: workers/attention/gpu_paged.py), built by the first layer, reused by the others.
     kernel_inputs: dict = field(default_factory=dict)
+
+
+def prefill_kernel_serves(dtype: torch.dtype) -> bool:
+    """Whether the CPU prefill kernel (workers/cpu/csrc/prefill_attention.cpp) takes `dtype`'s prefill
+    chunks instead of SDPA (call after the kernels loaded). float32: always (1.5-3x SDPA on a 2-core
+    AMD EPYC, docs/cpu-kernels.md). bf16: where the kernel runs on AMX tiles (the amx variant),
+    measured faster than the gather + SDPA path at every case of bench/kernels/
+    prefill_attention_kernel.py --dtype bfloat16 (1-6k-token prompts in 2,048-token chunks, 8 x 256).
+    Elsewhere SDPA stays: the avx512_bf16 variant's vdpbf16ps tiles ran at 0.5-0.9x torch's AMX
+    flash attention on that Xeon and could not be timed against torch's own non-AMX path, and the
+    other variants would widen bf16 to the float32 tiles, which lost to SDPA."""
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and cpu_ops.ops().prefill_attention_bf16_path() == "amx"
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

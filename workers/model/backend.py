@@ -30,7 +30,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from workers.attention.paged import AttentionMetadata, paged_attention, write_kv
+from workers.attention.paged import AttentionMetadata, paged_attention, prefill_kernel_serves, write_kv
 from workers.cpu import kernels
 from workers.sampling.sampler import torch_row_max
 
@@ -211,9 +211,9 @@ TORCH = TorchBackend()
 def select_backend(device: torch.device, dtype: torch.dtype, cpu_kernels: str = "auto",
                    prefill_attention: bool = True, layer_stack: bool = True) -> TorchBackend:
     """The backend of a rank on `device`, decided once. cpu_kernels: the config's auto | on | off
-    (on raises kernels.KernelsUnavailable where they cannot load). prefill_attention: float32
-    only, where the kernel was measured (1.5-3x SDPA on a 2-core AMD EPYC); bf16 keeps SDPA,
-    whose bf16 path (AMX tiles on a Xeon) the float32-computing kernel was not measured against.
+    (on raises kernels.KernelsUnavailable where they cannot load). prefill_attention: the kernel
+    where workers.attention.paged.prefill_kernel_serves says the kernel beats SDPA (float32
+    always; bf16 on AMX builds).
     CUDA: `CudaBackend` where Triton is installed (CUDA builds of torch ship it), else torch ops."""
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
@@ -224,4 +224,4 @@ def select_backend(device: torch.device, dtype: torch.dtype, cpu_kernels: str = 
         return TORCH
     if not kernels.load(cpu_kernels):
         return TORCH
-    return CpuKernelBackend(prefill_attention=prefill_attention and dtype == torch.float32, layer_stack=layer_stack)
+    return CpuKernelBackend(prefill_attention=prefill_attention and prefill_kernel_serves(dtype), layer_stack=layer_stack)

@@ -149,9 +149,10 @@ at::Tensor sdpa_layout(const at::Tensor& x, int64_t rows) {
   return padded.transpose(0, 1).unsqueeze(0);
 }
 
-// attention.paged_attention's SDPA loop over a step's prefill chunks, op for op (the path for
-// dtypes the prefill kernel does not serve: in bf16 torch's flash attention runs on AMX tiles
-// where this library's kernel computes in float32). A chunk at position 0 with no window inside
+// attention.paged_attention's SDPA loop over a step's prefill chunks, op for op (the path where
+// the prefill kernel is not chosen: bf16 on builds without its AMX tiles, where torch's flash
+// attention measured faster, see workers/attention/paged.py prefill_kernel_serves; or the kernel
+// switched off by config; the choice arrives as prefill_sdpa). A chunk at position 0 with no window inside
 // it attends to its own K/V, causal; any other gathers its context through its block table and
 // masks it (causal from its offset, and the window). Padded keys come after the context and
 // padded queries after the chunk (in the masked form each takes the last real query's position),
