@@ -1,8 +1,8 @@
 """tpserve's CPU kernels (workers/cpu/csrc/cpu_ops.cpp) against the torch code they replace: the same
 roundings as HF's eager modules in bf16 (nearly all elements bit for bit, none more than one ulp
 apart), float32 within a few ulp; decode attention against the gather + SDPA path on scattered block tables, GQA,
-sliding windows and soft caps, through both the vectorized path (head_dim 64/128: AVX-512, or AVX2
-on a CPU without it) and the portable one (head_dim 32); and engines whose greedy tokens do not change with the kernels on."""
+sliding windows and soft caps, token- and head-major caches, through both the vectorized path (head_dim
+64/128, and 256 with AVX-512: AVX-512, or AVX2 on a CPU without it) and the portable one (head_dim 32); and engines whose greedy tokens do not change with the kernels on."""
 
 from __future__ import annotations
 
@@ -146,15 +146,23 @@ def _reference(q, k_cache, v_cache, tables, lens, scale, window, soft_cap):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# Query heads per KV head 1-9: every group size the AVX2 path is compiled for, and 9 (beyond it: portable).
+# Query heads per KV head 1-9: every group size the AVX2 and AVX-512 paths are compiled for, and 9
+# (beyond them: portable); head_dim 64 and 128 (both paths) and 256 (AVX-512); with AVX-512 the
+# weighted V sum runs in 1, 2 or 4 slices of the head by group size and head_dim.
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 4), (32, 8, 2), (64, 8, 4), (128, 8, 2),
-                                                    (64, 10, 2), (128, 12, 2), (64, 14, 2), (64, 16, 2), (64, 9, 1)])
+                                                    (64, 10, 2), (128, 12, 2), (64, 14, 2), (64, 16, 2), (64, 9, 1),
+                                                    (128, 16, 2), (256, 8, 4), (256, 4, 1)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (20, None), (None, 30.0)])
-def test_paged_decode_attention_matches_gather_and_sdpa(dtype, head_dim, heads, kv_heads, window, soft_cap):
+# Token-major rows are never contiguous across tokens; head-major ones are within a block (the
+# AVX-512 scores address 16 such rows from one pointer).
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_paged_decode_attention_matches_gather_and_sdpa(dtype, head_dim, heads, kv_heads, window, soft_cap, layout):
     lens = [1, 15, 16, 17, 63, 200]
     q, k_cache, v_cache, tables, context = _decode_case(dtype, head_dim, heads, kv_heads, lens)
     scale = head_dim ** -0.5
     expected, k_cache, v_cache = _reference(q, k_cache, v_cache, tables, context, scale, window, soft_cap)
+    if layout == "head_major":
+        k_cache, v_cache = head_major(k_cache), head_major(v_cache)
     out = torch.empty_like(q)
     ops().paged_decode_attention(out, q, k_cache, v_cache, tables, context, scale, window or 0, soft_cap or 0.0)
     assert_matches(out, expected, exact_bf16=False)

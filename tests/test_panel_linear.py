@@ -1,6 +1,7 @@
 """The float32 projection kernel (workers/cpu/csrc/panel_linear.cpp): F.linear's numbers at every row
-count its register tiles split into (1-6 rows and every remainder past a tile of 6), odd K,
-strided rows and biases; the panel packing; refusals; linear() routing; prepack_linears' panel
+count its register tiles split into (AVX2: 1-6 rows and every remainder past a tile of 6; AVX-512:
+1-12 and every remainder past a tile of 12), odd K, an odd number of panels (AVX-512 takes them two
+at a time), strided rows and biases; the panel packing; refusals; linear() routing; prepack_linears' panel
 copies; the calibration against oneDNN at load; an engine's tokens with the kernel on and off."""
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ def _panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return torch.ops.tpserve_cpu.panel_linear(x, torch.ops.tpserve_cpu.panel_pack_weight(w), b)
 
 
-@pytest.mark.parametrize("rows", [*range(1, 14), 16, 17, 48, 64, 301])
-@pytest.mark.parametrize("k, n", [(576, 960), (40, 96), (37, 32), (1536, 16)])
+@pytest.mark.parametrize("rows", [*range(1, 26), 48, 64, 301])
+@pytest.mark.parametrize("k, n", [(576, 960), (40, 96), (37, 32), (1536, 16), (64, 80)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_linear_equals_f_linear(rows, k, n, bias):
-    """Rows 1-6 (one tile), 7-13 (a full tile of 6 and each remainder), up to 301 (many tiles, a
-    prefill chunk); K of any size (37: no vector tail to get wrong), N of one panel or many."""
+    """Rows 1-6 (one AVX2 tile), 7-13 (a full tile of 6 and each remainder), 1-12 and 13-25 (the
+    same for AVX-512's tiles of 12), up to 301 (many tiles, a prefill chunk); K of any size (37:
+    no vector tail to get wrong), N of one panel, two, five (an odd one left over) or many."""
     torch.manual_seed(rows * 1000 + k + n)
     x, w = torch.randn(rows, k), torch.randn(n, k)
     b = torch.randn(n) if bias else None
@@ -164,8 +166,8 @@ def test_calibration_times_both_kernels_until_the_first_loss():
 def test_projection_kernels_bench_reports_both_kernels_per_row_count():
     from bench.kernels.projection_kernels import time_kernels
 
-    # Shapes large enough that a pass's GFLOP/s is not rounded to 0.0 even on a loaded machine
-    # (2 x 7 rows x 2 layers x 98k weights: 2.8 MFLOP; 0.1 GFLOP/s would be 28 ms).
+    # GFLOP/s are kept to 3 significant digits, so a pass slowed by a loaded machine (2 x 7 rows x
+    # 2 layers x 98k weights: 2.8 MFLOP; 0.1 GFLOP/s is 28 ms) does not round to 0.0.
     out = time_kernels([3, 7], layers=2, repeats=1, shapes=((256, 256), (128, 256)))
     assert set(out) == {"3", "7"}
     for row in out.values():

@@ -4,9 +4,13 @@ as in a step), alternated, fastest of `--repeats` passes per kernel and row coun
 
     .venv/bin/python -m bench.kernels.projection_kernels                      # rows 1,4,8,16,32,64,256
     .venv/bin/python -m bench.kernels.projection_kernels --rows 512,1024 --layers 6
+    .venv/bin/python -m bench.kernels.projection_kernels --library OTHER.so   # another build of the kernels
 
 Prints one JSON object: per row count each kernel's ms per pass and GFLOP/s, and oneDNN's time over
 panel_linear's (> 1: panel_linear faster). The README's panel_linear table came from this loop.
+`--library` loads that library instead of building this machine's variant: e.g. the avx2 build's
+256-bit tiles against the AVX-512 build's on one AVX-512 machine, each in its own process (both
+register torch.ops.tpserve_cpu).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def time_kernels(rows: list[int], layers: int, repeats: int, shapes=DEFAULT_SHAP
                 kernels[name]()
                 if repeat:
                     best[name] = min(best[name], time.perf_counter() - start)
-        out[str(m)] = {**{name: {"ms": round(1e3 * s, 2), "gflops": round(flops_per_row * m / s / 1e9, 1)}
+        out[str(m)] = {**{name: {"ms": round(1e3 * s, 2), "gflops": float(f"{flops_per_row * m / s / 1e9:.3g}")}
                           for name, s in best.items()},
                        "onednn_over_panel_time": round(best["onednn"] / best["panel_linear"], 3)}
     return out
@@ -56,14 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,4,8,16,32,64,256", help="comma-separated row counts")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--library", help="a built kernel library to load instead of this machine's variant")
     args = p.parse_args(argv)
     from workers.cpu import kernels as cpu_ops
 
-    if not cpu_ops.load() or not cpu_ops.ops().panel_linear_available():
+    if args.library:
+        torch.ops.load_library(args.library)
+    if not (args.library or cpu_ops.load()) or not cpu_ops.ops().panel_linear_available():
         print(json.dumps({"error": "tpserve's CPU kernels with panel_linear (AVX2 + FMA) are not available here"}))
         return 1
     result = time_kernels([int(r) for r in args.rows.split(",")], args.layers, args.repeats)
     print(json.dumps({"threads": torch.get_num_threads(), "layers": args.layers, "shapes": DEFAULT_SHAPES,
+                      "library": args.library or "this machine's variant",
                       "rows": result}, indent=2))
     return 0
 

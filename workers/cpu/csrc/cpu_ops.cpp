@@ -317,11 +317,91 @@ inline void prefetch_row(const T* row, int64_t d) {
   for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// Most query heads per KV head the register-blocked path takes (more: the portable path).
-constexpr int64_t kMaxGroup = 8;
 #endif
 
 #if defined(__AVX512F__)
+// decode_one for AVX-512, head_dim = 16 * NV and G query heads per KV head, both compile-time so
+// that the accumulators and query vectors are zmm registers (32 of them), as in the AVX2 path below:
+// - float32 scores: 16 tokens per step, one query head at a time: 16 accumulators (one per token),
+//   the head's query vector loaded once per 16 FMAs, the key rows re-read from L1 for each head;
+//   one 16-way transpose-reduction per head gives 16 scores.
+// - bf16 scores (AVX512-BF16): 4 tokens per step, their key rows in registers for all G heads.
+// - Weighted V sum: the head is walked in slices of SV vectors, all tokens per slice, with G x SV
+//   accumulators, the G probabilities broadcast once per token and one value vector at a time.
+// The form before (a runtime group size, and for float32 a full horizontal reduction per score),
+// alternated with this one in one process over 30 cold layers (default model's heads, head-major
+// 16-token blocks), one thread's CPU time (the 2-core Xeon was shared), medians of 7:
+// float32 64 x 450 tokens 137.6 -> 119.3 ms (11.3 GB/s of K/V; a plain sum of the same bytes on
+// that thread: 15.2 GB/s), 16 x 1,000 75.1 -> 63.8 ms; bf16 unchanged (69.9 -> 69.7 ms, 9.6 GB/s
+// against 16.1). Prefetching 64, 128 or 256 tokens ahead instead of 32: the same or slower.
+
+// The totals of sixteen vectors as the sixteen lanes of one __m512 (lane i: a[i]'s total): 30
+// shuffles and 15 adds for 16 dot products, where a horizontal reduction each costs 64 of each.
+inline __m512 reduce16(const __m512 (&a)[16]) {
+  __m512 b[8], c[4], e[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // within 128-bit lanes: pairs of elements, per vector pair
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // within 128-bit lanes: element j holds a[4i + j]'s lane total
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // across 128-bit lanes: pairs of lanes
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// One query head's scores against 16 key rows (row(i): token i's row) in fp32 (float32 caches,
+// and bf16 ones without AVX512-BF16), the query scaled: 16 accumulators, the query's vector
+// loaded once per 16 FMAs, one transpose-reduction.
+template <typename T, int NV, typename Row>
+inline __m512 scores16(const float* qg, Row row) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int j = 0; j < NV; ++j) {
+    const __m512 qj = _mm512_load_ps(qg + 16 * j);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(qj, load16(row(i) + 16 * j), a[i]);
+  }
+  return reduce16(a);
+}
+
+// Scores [G][padded] of G scaled fp32 query heads (qs: [G][d]) against context tokens [start, len).
+// 16 tokens whose rows follow each other d elements apart (a 16-token block of a head-major
+// cache) are addressed from one pointer: the FMAs take them at constant offsets. 16 scattered
+// pointers would not fit the 16 general registers: each FMA then waits on reloading its pointer.
+template <typename T, int NV, int G>
+void qk_scores_avx512(float* scores, int64_t padded, const float* qs, const T* k_cache, const int64_t* rows,
+                      int64_t start, int64_t len) {
+  constexpr int64_t d = 16 * NV;
+  auto key_row = [&](int64_t t) { return k_cache + rows[t - start]; };
+  int64_t t = start;
+  for (; t + 16 <= len; t += 16) {
+    // Rows of the blocks ahead are scattered: ask for them before they are needed.
+    for (int64_t i = t + kPrefetchAhead; i < std::min(t + kPrefetchAhead + 16, len); ++i) prefetch_row(key_row(i), d);
+    const int64_t* r = rows + (t - start);
+    bool contiguous = true;
+    for (int i = 1; i < 16; ++i) contiguous &= r[i] == r[0] + i * d;
+    const T* k0 = k_cache + r[0];
+    for (int g = 0; g < G; ++g) {
+      const __m512 s = contiguous ? scores16<T, NV>(qs + g * d, [&](int i) { return k0 + i * d; })
+                                  : scores16<T, NV>(qs + g * d, [&](int i) { return k_cache + r[i]; });
+      _mm512_storeu_ps(scores + g * padded + (t - start), s);
+    }
+  }
+  for (; t < len; ++t) {
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_setzero_ps();
+      for (int j = 0; j < NV; ++j) a = _mm512_fmadd_ps(_mm512_load_ps(qs + g * d + 16 * j), load16(key_row(t) + 16 * j), a);
+      scores[g * padded + (t - start)] = _mm512_reduce_add_ps(a);
+    }
+  }
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__)
 // The totals of four vectors as the four lanes of one __m128: three shuffle-adds for four dot
@@ -336,26 +416,26 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 // bf16 query . key scores with AVX512-BF16 dot products (pairs of bf16 products summed in fp32,
-// as exact as converting both to fp32 first), four tokens per reduction. NP = head_dim / 32.
-template <int NP>
+// as exact as converting both to fp32 first), four tokens per step: their key rows loaded into
+// registers once for all G heads (whose query vectors stay in registers), one reduce4 per head.
+// NP = head_dim / 32. The 16-token form of the fp32 scores, tried here too, ran 7-8% slower over
+// the whole kernel (30 cold layers, 64 x 450 and 16 x 1,000 tokens).
+template <int NP, int G>
 void qk_scores_bf16(float* scores, int64_t padded, const c10::BFloat16* q, const c10::BFloat16* k_cache,
-                    const int64_t* rows, int64_t start, int64_t len, int64_t group, float scale) {
+                    const int64_t* rows, int64_t start, int64_t len, float scale) {
   constexpr int64_t d = 32 * NP;
-  __m512bh qv[kMaxGroup][NP];
-  for (int64_t g = 0; g < group; ++g)
+  __m512bh qv[G][NP];
+  for (int g = 0; g < G; ++g)
     for (int j = 0; j < NP; ++j) qv[g][j] = (__m512bh)_mm512_loadu_si512(q + g * d + 32 * j);
   const __m128 sc = _mm_set1_ps(scale);
   auto key_row = [&](int64_t t) { return k_cache + rows[t - start]; };
   int64_t t = start;
   for (; t + 4 <= len; t += 4) {
-    // Rows of the blocks ahead are scattered: ask for them before they are needed.
     for (int64_t i = t + kPrefetchAhead; i < std::min(t + kPrefetchAhead + 4, len); ++i) prefetch_row(key_row(i), d);
     __m512bh kv[4][NP];
-    for (int i = 0; i < 4; ++i) {
-      const c10::BFloat16* kr = key_row(t + i);
-      for (int j = 0; j < NP; ++j) kv[i][j] = (__m512bh)_mm512_loadu_si512(kr + 32 * j);
-    }
-    for (int64_t g = 0; g < group; ++g) {
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < NP; ++j) kv[i][j] = (__m512bh)_mm512_loadu_si512(key_row(t + i) + 32 * j);
+    for (int g = 0; g < G; ++g) {
       __m512 acc[4];
       for (int i = 0; i < 4; ++i) {
         acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[i][0]);
@@ -365,48 +445,21 @@ void qk_scores_bf16(float* scores, int64_t padded, const c10::BFloat16* q, const
     }
   }
   for (; t < len; ++t) {
-    const c10::BFloat16* kr = key_row(t);
-    for (int64_t g = 0; g < group; ++g) {
+    for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_setzero_ps();
-      for (int j = 0; j < NP; ++j) acc = _mm512_dpbf16_ps(acc, qv[g][j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+      for (int j = 0; j < NP; ++j)
+        acc = _mm512_dpbf16_ps(acc, qv[g][j], (__m512bh)_mm512_loadu_si512(key_row(t) + 32 * j));
       scores[g * padded + (t - start)] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
 }
 #endif
 
-// decode_one for head_dim = 16 * NV: each K row is read once for all G query heads (G dot
-// products on registers), each V row once into G accumulators held in registers.
-template <typename T, int NV>
-void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
-                       int64_t start, int64_t group, float scale, float soft_cap, std::vector<float>& scores) {
-  constexpr int64_t d = 16 * NV;
-  const int64_t n = len - start;
-  const int64_t padded = (n + 15) / 16 * 16;
-  scores.resize(group * padded);
-#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
-    qk_scores_bf16<NV / 2>(scores.data(), padded, q, k_cache, rows, start, len, group, scale);
-  } else
-#endif
-  {
-    __m512 qv[kMaxGroup][NV];
-    for (int64_t g = 0; g < group; ++g)
-      for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_mul_ps(load16(q + g * d + 16 * j), _mm512_set1_ps(scale));
-    for (int64_t t = start; t < len; ++t) {
-      const T* kr = k_cache + rows[t - start];
-      __m512 kv[NV];
-      for (int j = 0; j < NV; ++j) kv[j] = load16(kr + 16 * j);
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
-        scores[g * padded + (t - start)] = _mm512_reduce_add_ps(acc);
-      }
-    }
-  }
-  float inv_sum[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * padded;
+// Scores [group][padded] (n real, the rest padding) -> exp(score - max) in place (after the soft
+// cap, if any); inv_sum[g]: 1 / head g's sum.
+inline void softmax_avx512(float* scores, int64_t padded, int64_t n, int group, float soft_cap, float* inv_sum) {
+  for (int g = 0; g < group; ++g) {
+    float* sg = scores + g * padded;
     if (soft_cap > 0.f)
       for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
     for (int64_t i = n; i < padded; ++i) sg[i] = -INFINITY;
@@ -421,24 +474,106 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
     }
     inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
   }
-  __m512 acc[kMaxGroup][NV];
-  for (int64_t g = 0; g < group; ++g)
-    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
-  for (int64_t t = start; t < len; ++t) {
-    if (t + kPrefetchAhead < len) prefetch_row(v_cache + rows[t + kPrefetchAhead - start], d);
-    const T* vr = v_cache + rows[t - start];
-    __m512 vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = load16(vr + 16 * j);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * padded + (t - start)]);
-      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
+}
+
+// Value vectors per slice of the weighted V sum: the most (a divisor of NV) whose G x SV
+// accumulators, G broadcast probabilities and one value vector fit the 32 zmm registers.
+template <int NV, int G>
+constexpr int value_slice_avx512() {
+  int sv = NV;
+  while (sv > 1 && G * sv + G + 1 > 32) sv /= 2;
+  return sv;
+}
+
+// out[g] = inv_sum[g] * sum_t p[g][t] V[t] for G heads over context tokens [start, len).
+template <typename T, int NV, int G>
+void weighted_values_avx512(T* out, const float* scores, int64_t padded, const float* inv_sum, const T* v_cache,
+                            const int64_t* rows, int64_t start, int64_t len) {
+  constexpr int64_t d = 16 * NV;
+  constexpr int SV = value_slice_avx512<NV, G>();
+  static_assert(NV % SV == 0, "slices must tile the head");
+  for (int c = 0; c < NV; c += SV) {
+    __m512 acc[G][SV];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+      for (int x = 0; x < SV; ++x) acc[g][x] = _mm512_setzero_ps();
+    for (int64_t t = start; t < len; ++t) {
+      // The first slice reads the rows from memory; the others find them in L2.
+      if (c == 0 && t + kPrefetchAhead < len) prefetch_row(v_cache + rows[t + kPrefetchAhead - start], d);
+      const T* vr = v_cache + rows[t - start] + 16 * c;
+      __m512 p[G];
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * padded + (t - start)]);
+#pragma GCC unroll 16
+      for (int x = 0; x < SV; ++x) {
+        const __m512 v = load16(vr + 16 * x);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) acc[g][x] = _mm512_fmadd_ps(p[g], v, acc[g][x]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float row[16 * SV];
+#pragma GCC unroll 16
+      for (int x = 0; x < SV; ++x) _mm512_store_ps(row + 16 * x, _mm512_mul_ps(acc[g][x], _mm512_set1_ps(inv_sum[g])));
+      // from_f: c10's rounding of the fp32 result, as the portable path rounds it.
+      for (int i = 0; i < 16 * SV; ++i) out[g * d + 16 * c + i] = from_f<T>(row[i]);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    alignas(64) float row[d];
-    for (int j = 0; j < NV; ++j) _mm512_store_ps(row + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv_sum[g])));
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = from_f<T>(row[i]);
+}
+
+template <typename T, int NV, int G>
+void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+                       int64_t start, float scale, float soft_cap, std::vector<float>& scores) {
+  constexpr int64_t d = 16 * NV;
+  const int64_t n = len - start;
+  const int64_t padded = (n + 15) / 16 * 16;
+  scores.resize(G * padded);
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    qk_scores_bf16<NV / 2, G>(scores.data(), padded, q, k_cache, rows, start, len, scale);
+  } else
+#endif
+  {
+    alignas(64) float qs[G * d];
+    for (int64_t i = 0; i < G * d; i += 16) _mm512_store_ps(qs + i, _mm512_mul_ps(load16(q + i), _mm512_set1_ps(scale)));
+    qk_scores_avx512<T, NV, G>(scores.data(), padded, qs, k_cache, rows, start, len);
   }
+  float inv_sum[G];
+  softmax_avx512(scores.data(), padded, n, G, soft_cap, inv_sum);
+  weighted_values_avx512<T, NV, G>(out, scores.data(), padded, inv_sum, v_cache, rows, start, len);
+}
+
+// The G (query heads per KV head, 1-8) and head_dim (64, 128, 256) decode_one_avx512 is built
+// for; false: not one (the portable path takes it).
+template <typename T>
+bool decode_one_avx512_dispatch(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows,
+                                int64_t len, int64_t start, int64_t group, int64_t d, float scale, float soft_cap,
+                                std::vector<float>& scores) {
+#define TPSERVE_DECODE_AVX512(NV, G)                                                                     \
+  case G:                                                                                              \
+    decode_one_avx512<T, NV, G>(out, q, k_cache, v_cache, rows, len, start, scale, soft_cap, scores);   \
+    return true;
+#define TPSERVE_DECODE_AVX512_GROUPS(NV) \
+  switch (group) {                       \
+    TPSERVE_DECODE_AVX512(NV, 1)         \
+    TPSERVE_DECODE_AVX512(NV, 2)         \
+    TPSERVE_DECODE_AVX512(NV, 3)         \
+    TPSERVE_DECODE_AVX512(NV, 4)         \
+    TPSERVE_DECODE_AVX512(NV, 5)         \
+    TPSERVE_DECODE_AVX512(NV, 6)         \
+    TPSERVE_DECODE_AVX512(NV, 7)         \
+    TPSERVE_DECODE_AVX512(NV, 8)         \
+    default:                             \
+      return false;                      \
+  }
+  if (d == 64) TPSERVE_DECODE_AVX512_GROUPS(4)
+  if (d == 128) TPSERVE_DECODE_AVX512_GROUPS(8)
+  if (d == 256) TPSERVE_DECODE_AVX512_GROUPS(16)
+#undef TPSERVE_DECODE_AVX512_GROUPS
+#undef TPSERVE_DECODE_AVX512
+  return false;
 }
 #endif  // __AVX512F__
 
@@ -638,15 +773,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
           context_rows(rows, tables + b * width, start, len, block_size, cs, h);
           const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
 #if defined(__AVX512F__)
-          if (group <= kMaxGroup && (d == 64 || d == 128 || d == 256)) {
-            if (d == 64)
-              decode_one_avx512<scalar_t, 4>(o, qb, kc, vc, rows.data(), len, start, group, sc, cap, scores);
-            else if (d == 128)
-              decode_one_avx512<scalar_t, 8>(o, qb, kc, vc, rows.data(), len, start, group, sc, cap, scores);
-            else
-              decode_one_avx512<scalar_t, 16>(o, qb, kc, vc, rows.data(), len, start, group, sc, cap, scores);
+          if (decode_one_avx512_dispatch<scalar_t>(o, qb, kc, vc, rows.data(), len, start, group, d, sc, cap, scores))
             continue;
-          }
 #elif defined(TPSERVE_AVX2)
           if (decode_one_avx2_dispatch<scalar_t>(o, qb, kc, vc, rows.data(), len, start, group, d, sc, cap, scores))
             continue;
