@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tpserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: install kernels serve test test-cluster prometheus bench bench-deps bench-offline bench-serve bench-llamacpp-build bench-tp bench-breakdown bench-kernels model gpu-prepare soak clean
+.PHONY: install kernels serve test test-cluster prometheus bench bench-deps bench-offline bench-serve bench-llamacpp-build bench-tp bench-breakdown bench-kernels bench-isa model gpu-prepare soak clean
 
 install: $(STAMP) model kernels
 
@@ -72,7 +72,8 @@ bench-llamacpp-build: bench-deps
 # tpserve vs vLLM's CPU build vs llama.cpp's server at 1, 16 and 64 streams plus the offline
 # engines, all in the dtype tpserve's auto picks on this CPU (bfloat16 with AVX512-BF16/AMX, else
 # float32). BENCH_SERVE_ARGS="--dtype bfloat16" to force one; "--client vllm-bench" to load them
-# with `vllm bench serve` (add "--vllm-bench-dataset sharegpt" for chat-shaped lengths).
+# with `vllm bench serve` (add "--vllm-bench-dataset sharegpt" for chat-shaped lengths). It also
+# prints the 1-stream weight-read floor and the TTFT curve (BENCH_SERVE_ARGS="--ttft-curve ''" skips it).
 BENCH_SERVE_ARGS ?=
 bench-serve: install bench-llamacpp-build
 	$(PY) -m bench.online.serve_compare $(BENCH_SERVE_ARGS)
@@ -88,6 +89,11 @@ bench-tp:
 bench-kernels: install
 	$(PY) -m bench.kernels.projection_kernels
 	$(PY) -m bench.kernels.prefill_attention_kernel
+
+# Every kernel variant this CPU runs (the library, torch and oneDNN capped to it) against its own
+# bound: read bandwidth and the build's peak_probe (docs/cpu-kernels.md).
+bench-isa: install
+	$(PY) -m bench.kernels.isa_paths
 
 # What tests/gpu/device_check.sh needs on the GPU machine, into git-ignored folders that the
 # device tool carries: .gpu_assets/ (SmolLM2's config + tokenizer) and .whl/ (wheels the GPU image

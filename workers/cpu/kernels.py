@@ -1,6 +1,7 @@
 """tpserve's CPU kernels (csrc/: cpu_ops.cpp for norms, rotary, SiLU gate, KV write and decode
 attention; panel_linear.cpp, skinny_linear.cpp and amx_linear.cpp for projections;
-prefill_attention.cpp; layer_stack.cpp; row_max.cpp for the sampler's argmax), loaded as
+prefill_attention.cpp; layer_stack.cpp; row_max.cpp for the sampler's argmax; peak_probe.cpp, the
+peak FLOP rate of the build's instructions, for benchmarks), loaded as
 `torch.ops.tpserve_cpu.*`.
 
 Why our own kernels: a decode step of the default model ran ~6,000 eager torch calls; the norms,
@@ -26,6 +27,10 @@ How they ship (docs/cpu-kernels.md):
 
 `load(mode)` takes the config's `cpu_kernels`: "auto" uses the kernels where they build and logs
 why not otherwise; "on" raises `KernelsUnavailable` instead; "off" never loads them.
+`load(mode, max_variant=...)` caps the choice (the best variant at or below that one that the CPU
+runs): for benchmarks that measure each instruction-set path on one machine
+(bench/kernels/isa_paths.py) and for debugging one kernel's lower path. One library per process:
+the first load decides, and a later cap it does not meet is refused.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("cpu_ops.cpp", "prefill_attention.cpp", "skinny_linear.cpp",
-                                         "panel_linear.cpp", "amx_linear.cpp", "layer_stack.cpp", "row_max.cpp"))
+                                         "panel_linear.cpp", "amx_linear.cpp", "layer_stack.cpp", "row_max.cpp",
+                                         "peak_probe.cpp"))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
 # Where `make install` and the image put the libraries (beside the package, git-ignored).
 PACKAGED_LIBRARY_DIR = Path(__file__).parent / "lib"
@@ -103,18 +109,25 @@ _loaded: IsaVariant | None = None
 _failure: str | None = None
 
 
-def load(mode: str = "auto") -> bool:
+def load(mode: str = "auto", max_variant: str | None = None) -> bool:
     """Load the kernels once per process (building this CPU's variant if it is missing); True
-    when torch.ops.tpserve_cpu is usable. mode: "auto" | "on" | "off" (see the module doc)."""
+    when torch.ops.tpserve_cpu is usable. mode: "auto" | "on" | "off" (see the module doc).
+    max_variant: a variant name; the best variant at or below it that this CPU runs is loaded
+    instead of the best overall. Raises ValueError when another variant is already loaded in
+    this process (its ops cannot be replaced)."""
     if mode not in MODES:
         raise ValueError(f"cpu_kernels must be one of {MODES}, not {mode!r}")
     if mode == "off":
         return False
     global _loaded, _failure
     with _lock:
+        wanted = host_variant(max_variant=max_variant) if max_variant is not None else None
+        if wanted is not None and _loaded is not None and _loaded != wanted:
+            raise ValueError(f"tpserve CPU kernels: {_loaded.name} is already loaded in this process, not the "
+                             f"{wanted.name} build max_variant={max_variant!r} asks for")
         if _loaded is None and _failure is None:
             try:
-                _loaded = _build_and_load(host_variant())
+                _loaded = _build_and_load(wanted or host_variant())
                 logger.info("tpserve CPU kernels: %s build", _loaded.name)
             except Exception as exc:  # noqa: BLE001 - reported below, by mode
                 # A compiler's message can run to pages: its end says what failed.
@@ -136,14 +149,22 @@ def ops():
     return torch.ops.tpserve_cpu
 
 
-def host_variant(flags: set[str] | None = None, machine: str | None = None) -> IsaVariant:
-    """The best variant this CPU can run (flags: /proc/cpuinfo's; machine: platform.machine())."""
+def host_variant(flags: set[str] | None = None, machine: str | None = None,
+                 max_variant: str | None = None) -> IsaVariant:
+    """The best variant this CPU can run (flags: /proc/cpuinfo's; machine: platform.machine()),
+    or with max_variant the best at or below that one in VARIANTS' order."""
+    names = [v.name for v in VARIANTS]
+    if max_variant is not None and max_variant not in names:
+        raise ValueError(f"max_variant must be one of {names}, not {max_variant!r}")
+    allowed = VARIANTS[names.index(max_variant):] if max_variant is not None else VARIANTS
+    return next(v for v in runnable_variants(flags, machine) if v in allowed)
+
+
+def runnable_variants(flags: set[str] | None = None, machine: str | None = None) -> list[IsaVariant]:
+    """Every variant this CPU can run, best first (the portable build always: the list is never empty)."""
     machine = machine or platform.machine()
     flags = cpu_flags() if flags is None else flags
-    for variant in VARIANTS:
-        if variant.machine in (machine, "*") and variant.requires <= flags:
-            return variant
-    raise AssertionError("the portable variant matches every machine")
+    return [v for v in VARIANTS if v.machine in (machine, "*") and v.requires <= flags]
 
 
 def variants_for(machine: str | None = None) -> list[IsaVariant]:
@@ -270,16 +291,18 @@ def cpuinfo_field(name: str, cpuinfo_path: str = "/proc/cpuinfo") -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m workers.cpu.kernels [--variants host|all]`: build ahead of time (make install
-    builds this machine's variant; the Docker image all of them), then load this CPU's."""
+    """`python -m workers.cpu.kernels [--variants host|all] [--max-variant NAME]`: build ahead of
+    time (make install builds this machine's variant; the Docker image all of them), then load
+    this CPU's (or, with --max-variant, the best at or below that one, e.g. to debug a lower path)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--variants", choices=("host", "all"), default="host")
+    parser.add_argument("--max-variant", choices=[v.name for v in VARIANTS], default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    chosen = variants_for() if args.variants == "all" else [host_variant()]
+    chosen = variants_for() if args.variants == "all" else [host_variant(max_variant=args.max_variant)]
     for variant in chosen:
         print(f"tpserve CPU kernels, {variant.name}: {build(variant)}")
-    load("on")
+    load("on", max_variant=args.max_variant)
     print(f"tpserve CPU kernels: {loaded_variant()} loaded")
 
 

@@ -30,8 +30,7 @@
 #include <string>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_permission.h"
 #endif
 
 namespace {
@@ -674,16 +673,7 @@ inline void softmax_rows_bf16(WorkspaceBf16& ws, int64_t rows, int64_t nk, float
 #define TPSERVE_PREFILL_AMX 1
 constexpr int64_t kAmxKeys = 32;
 
-// Linux gives a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA), as amx_linear.cpp asks; asking twice is harmless.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023;
-    constexpr long kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
+using tpserve::amx_usable;
 
 // Palette 1, every tile 16 rows x 64 bytes: tmm0-3 C, tmm4 A, tmm5-6 B (alternated, so a load
 // need not wait for the product before it to read its tile).
@@ -1019,7 +1009,7 @@ void attend_step(const StepPlan& plan, const CacheView<T, Index>& cache, T* out,
 // (an A tile row is 32 bf16), on the amx build, where Linux grants the tile state.
 bool uses_amx_tiles(const at::Tensor& q) {
 #if defined(TPSERVE_PREFILL_AMX)
-  return q.scalar_type() == at::kBFloat16 && q.size(2) % 32 == 0 && amx_permitted();
+  return q.scalar_type() == at::kBFloat16 && q.size(2) % 32 == 0 && amx_usable();
 #else
   (void)q;
   return false;
@@ -1032,7 +1022,7 @@ bool uses_amx_tiles(const at::Tensor& q) {
 // "amx", the one measured faster than torch's SDPA (workers/attention/paged.py).
 std::string prefill_attention_bf16_path() {
 #if defined(TPSERVE_PREFILL_AMX)
-  if (amx_permitted()) return "amx";
+  if (amx_usable()) return "amx";
 #endif
 #if defined(TPSERVE_PREFILL_BF16)
   return "avx512_bf16";
