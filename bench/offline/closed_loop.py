@@ -8,7 +8,8 @@ that carried prefill. Token times are taken when engine.step() returns, which is
 replica would send them.
 
     python -m bench.offline.closed_loop --streams 16 --requests 64
-    python -m bench.offline.closed_loop --streams 16 --set decode_step_target_ms=0 --set decode_step_target_ms=150
+    python -m bench.offline.closed_loop --streams 64 --rounds 2 --set max_decode_slowdown=0 \
+        --set "max_decode_slowdown=2 num_batched_tokens_per_request=0"
 """
 
 from __future__ import annotations
@@ -110,10 +111,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rounds", type=int, default=1, help="each setting this many times, alternated")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
-                        help="a TpserveConfig field for one arm (each --set is one arm; none: the defaults)")
+    parser.add_argument("--set", action="append", default=[], metavar="'FIELD=JSON ...'",
+                        help="SchedulerConfig fields of one arm, space-separated (each --set is one arm; "
+                             "none: the defaults)")
     args = parser.parse_args()
-    arms = [dict([parse_setting(s)]) for s in args.set] or [{}]
+    arms = [dict(parse_setting(item) for item in arm.split()) for arm in args.set] or [{}]
     base = dict(dtype=args.dtype, max_num_seqs=max(64, args.streams), max_model_len=2048, enable_prefix_caching=False)
     engine = LLMEngine(TpserveConfig(**base))
     scheduler_config = engine.scheduler.config

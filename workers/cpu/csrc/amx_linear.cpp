@@ -27,12 +27,11 @@
 
 #include <algorithm>
 #include <cstring>
-#include <mutex>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_permission.h"
 #define TPSERVE_AMX 1
 #endif
 
@@ -49,21 +48,7 @@ constexpr int64_t kMaxRowBlocks = 4;  // C tiles per n block: 64 rows of x per p
 constexpr int64_t kPrefetchTiles = 4;
 
 #if defined(TPSERVE_AMX)
-// Linux gives a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); without it the first tile instruction kills the process with SIGILL.
-// oneDNN asks the same way; asking twice is harmless.
-bool request_amx_permission() {
-  constexpr long kArchReqXcompPerm = 0x1023;
-  constexpr long kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-bool amx_usable() {
-  static std::once_flag once;
-  static bool usable = false;
-  std::call_once(once, [] { usable = request_amx_permission(); });
-  return usable;
-}
+using tpserve::amx_usable;
 
 // The 64-byte tile configuration (palette 1): tmm0-3 C (16 x 16 float32), tmm4-5 A (16 rows x 32
 // bf16), tmm6 B (16 pairs x 16 columns x 2 bf16).
