@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from metrics.definitions import (
     CACHE_CONFIG_LABELS,
     FINISHED_REASONS,
+    KV_EVENT_TYPES,
     METRIC_DEFINITIONS,
     PREEMPTION_PHASES,
 )
@@ -330,7 +331,7 @@ def test_no_label_value_is_unbounded(http, tpserve_server):
     text, families = scrape(http)
     assert "zebra" not in text and reply.json()["id"] not in text and "cmpl-" not in text
     for family in families:
-        allowed = {"model_name", "phase", "finished_reason", "le"}
+        allowed = {"model_name", "phase", "finished_reason", "event_type", "le"}
         if family.name == "tpserve_cache_config_info":
             allowed = {"model_name", *CACHE_CONFIG_LABELS}
         for sample in family.samples:
@@ -338,6 +339,7 @@ def test_no_label_value_is_unbounded(http, tpserve_server):
             assert sample.labels["model_name"] == tpserve_server.model_name
             assert sample.labels.get("phase", "prefill") in PREEMPTION_PHASES
             assert sample.labels.get("finished_reason", "stop") in FINISHED_REASONS
+            assert sample.labels.get("event_type", "BlockStored") in KV_EVENT_TYPES
     # Nothing but the table (prometheus-client adds a `_created` series to counters and histograms).
     names = {family.name for family in families}
     defined = {family_name(d) for d in METRIC_DEFINITIONS}
