@@ -54,20 +54,6 @@ class RequestUpdate:
     new_prompt_logprobs: list[PromptPositionLogprobs] | None = None
 
 
-@dataclass
-class _WorkTally:
-    """The work of the step being built, counted as its requests are scheduled (a StepWork's fields)."""
-
-    # Requests computing one new token.
-    decode_rows: int = 0
-    # Sum of those requests' context lengths.
-    decode_context_tokens: int = 0
-    # Prompt / recomputed tokens.
-    prefill_tokens: int = 0
-    # Causal query x key pairs of the prefill chunks.
-    prefill_attention_pairs: int = 0
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -84,7 +70,7 @@ class Scheduler:
         # Forward time from the work in a step, learned from the steps that ran (step_cost.py).
         self.step_cost = StepCostModel()
         # The work of the step schedule() last built (observe_step_time pairs it with its time).
-        self._work = _WorkTally()
+        self._work = StepWork()
         # Prefill seconds the step being built may still take (None: no time bound this step).
         self._prefill_time_left: float | None = None
 
@@ -135,7 +121,7 @@ class Scheduler:
         self._stats = SchedulerStats()
         output = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
-        self._work = _WorkTally()
+        self._work = StepWork()
         self._prefill_time_left = self._prefill_time_budget()
         budget, preempted_any = self._schedule_running(output, self.step_token_budget())
         if not preempted_any:  # admitting while evicting would thrash
@@ -191,9 +177,7 @@ class Scheduler:
         Nothing is fitted while the time target is off (the fit costs ~40 us a step in Python)."""
         if self.config.max_decode_slowdown <= 0:
             return
-        work = self._work
-        self.step_cost.observe(StepWork(work.decode_rows, work.decode_context_tokens, work.prefill_tokens,
-                                        work.prefill_attention_pairs), forward_seconds)
+        self.step_cost.observe(self._work, forward_seconds)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
         """Running requests first, in admission order, preempting the newest when the cache is

@@ -32,9 +32,10 @@ _MIN_PREFILL_STEPS = 4
 _MIN_DECODE_STEPS = 4
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepWork:
-    """The work of one step in the quantities its time grows with (scheduler -> cost model)."""
+    """The work of one step in the quantities its time grows with (scheduler -> cost model; the
+    scheduler also tallies the step it builds in one)."""
 
     # Requests computing one new token each.
     decode_rows: int = 0
