@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from local_ray import init_local_ray
 from workers.distributed.ports import free_port
 
 # Small settings: quick to load, 32 concurrent sequences fit.
@@ -97,7 +98,7 @@ def tpserve_server() -> Iterator[TpserveServer]:
     from ray import serve
 
     # Logical CPUs: the replica reserves one; spare ones for an extra test app.
-    ray.init(num_cpus=4, include_dashboard=False)
+    init_local_ray(lambda: dict(num_cpus=4, include_dashboard=False))
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -121,7 +122,7 @@ def ray_cluster() -> Iterator[None]:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+        init_local_ray(lambda: dict(num_cpus=8, include_dashboard=False, logging_level="WARNING"))
     yield
     if started:
         ray.shutdown()

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from local_ray import init_local_ray
 from conftest import SERVE_TEST_CONFIG, deploy, wait_until
 from workers.distributed.ports import free_port
 
@@ -28,7 +29,7 @@ def http_root():
     if ray.is_initialized():
         pytest.skip("Ray already runs in this pytest process; run the cluster tests alone (make test-cluster)")
     # Logical CPUs: 3 replicas (one each) and the routing ingress/controller (none).
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING")
+    init_local_ray(lambda: dict(num_cpus=3, include_dashboard=False, logging_level="WARNING"))
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

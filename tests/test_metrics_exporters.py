@@ -8,6 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from local_ray import init_local_ray
 from metrics.definitions import (
     CACHE_CONFIG_LABELS,
     FINISHED_REASONS,
@@ -277,14 +278,15 @@ def ray_metrics_port():
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("Ray already initialized in this process; cannot choose its metrics port")
-    port = free_port()
-    ray.init(
-        include_dashboard=False,
-        num_cpus=1,
-        _metrics_export_port=port,
-        _system_config={"metrics_report_interval_ms": 500},
-    )
-    yield port
+    ports: list[int] = []
+
+    def init_kwargs() -> dict:
+        ports.append(free_port())  # a fresh one per try: the last may have been taken meanwhile
+        return dict(include_dashboard=False, num_cpus=1, _metrics_export_port=ports[-1],
+                    _system_config={"metrics_report_interval_ms": 500})
+
+    init_local_ray(init_kwargs)
+    yield ports[-1]
     ray.shutdown()
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from local_ray import init_local_ray
 from gpu_helpers import StepDriver, compare_greedy, random_prompts, smollm2_path
 from workers.distributed.ports import free_port
 
@@ -252,7 +253,7 @@ def test_serve_end_to_end_on_one_gpu(model_path):
 
     from deployments.app import build_app
 
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False)
+    init_local_ray(lambda: dict(num_cpus=4, num_gpus=1, include_dashboard=False))
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
