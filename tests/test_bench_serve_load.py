@@ -10,18 +10,16 @@ import asyncio
 import io
 import json
 import math
-import socket
-import threading
 import time
 from contextlib import redirect_stdout
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from asgi_server import serve_asgi
 from bench import workload
 from bench.online import serve_load
 from bench.online.serve_load import LoadConfig, run_load
@@ -59,20 +57,8 @@ async def _completions(request: Request):
 @pytest.fixture(scope="module")
 def fake_server():
     app = Starlette(routes=[Route("/v1/models", _models), Route("/v1/completions", _completions, methods=["POST"])])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # a free port, held by us until uvicorn takes the socket over
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serve_asgi(app) as url:
+        yield url
 
 
 def _tiny_tokenizer():

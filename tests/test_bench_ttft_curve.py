@@ -7,20 +7,17 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import socket
-import threading
-import time
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from test_bench_serve_load import _tiny_tokenizer
 
+from asgi_server import serve_asgi
 from bench.online import serve_compare, ttft_curve
 from bench.online.ttft_curve import CurveSpec
 from bench.workload import exact_length_text, load_tokenizer, word_token_ids
@@ -66,19 +63,8 @@ def curve_server():
     state = CurveServer()
     app = Starlette(routes=[Route("/v1/models", state.models),
                             Route("/v1/completions", state.completions, methods=["POST"])])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "fake server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", state
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serve_asgi(app) as url:
+        yield url, state
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

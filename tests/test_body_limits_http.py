@@ -9,39 +9,17 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
+from asgi_server import serve_asgi
 from deployments.http.api_server import make_api
 from deployments.http.body import DISCARD_FACTOR
 from test_http_validation import CappedEngine
-from workers.distributed.ports import free_port
 
 CAP = 2000  # max_request_body_bytes of the capped engine
-
-
-@contextlib.contextmanager
-def serve_asgi(app: Any) -> Iterator[str]:
-    """`app` under uvicorn on a free local port (its own thread); yields the base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise AssertionError("uvicorn did not start within 30 s")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def assert_413(response: httpx.Response) -> dict:
@@ -58,14 +36,15 @@ def completion(text: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def capped_url() -> Iterator[str]:
-    with serve_asgi(make_api(CappedEngine(max_prompt_chars=10**6))) as url:
+    with serve_asgi(make_api(CappedEngine(max_prompt_chars=10**6)), lifespan="on", start_timeout_s=30) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def default_url() -> Iterator[str]:
     """The default caps (4 MiB bodies)."""
-    with serve_asgi(make_api(CappedEngine(max_request_body_bytes=4 * 1024 * 1024, max_prompt_chars=10**6))) as url:
+    with serve_asgi(make_api(CappedEngine(max_request_body_bytes=4 * 1024 * 1024, max_prompt_chars=10**6)),
+                    lifespan="on", start_timeout_s=30) as url:
         yield url
 
 

@@ -289,12 +289,7 @@ class ExporterMetrics:
 @pytest.fixture
 def metrics_route_url():
     """make_api's /metrics over an exporter that saw one traced request, served by uvicorn."""
-    import socket
-    import threading
-    import time
-
-    import uvicorn
-
+    from asgi_server import serve_asgi
     from deployments.http.api_server import make_api
     from test_serving_fake_engine import FakeEngine
 
@@ -303,19 +298,8 @@ def metrics_route_url():
     exporter.record_finished(finished_stats(CLIENT_TRACE_HEX))
     engine = FakeEngine()
     engine.metrics = ExporterMetrics(exporter)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # a free port, held until uvicorn takes the socket over
-    server = uvicorn.Server(uvicorn.Config(make_api(engine), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the app did not start"
-        time.sleep(0.02)
-    yield f"127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serve_asgi(make_api(engine)) as url:
+        yield url.removeprefix("http://")  # a scrape target: host:port
 
 
 def test_prometheus_stores_the_trace_exemplars_it_scrapes(metrics_route_url, tmp_path):
