@@ -5,7 +5,8 @@ group, each with its own logical CPUs and a custom resource naming the node. Eve
 under a private temp folder, so the head's `ray_current_cluster` address file never lands in the
 machine's shared `/tmp/ray` (other Ray users on the machine keep theirs). Stopping a node kills
 its whole process group (raylet, GCS, workers); `stop()` also removes the address file and the
-temp folder. Every port is chosen free; nothing is fixed.
+temp folder. Every port is chosen free; nothing is fixed. `serve_on_two_nodes` runs Ray Serve on
+such a cluster (the fixture of the two-node tests).
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from workers.distributed.ports import free_port
 
@@ -152,3 +157,26 @@ def start_two_node_cluster(head_cpus: int, worker_cpus: int, timeout_s: float = 
         cluster.stop()
         raise
     return cluster
+
+
+@contextmanager
+def serve_on_two_nodes(head_cpus: int = 2, worker_cpus: int = 2) -> Iterator[tuple[TwoNodeCluster, str]]:
+    """Ray Serve on a fresh two-node cluster, its one HTTP proxy on the head (a proxy per node
+    would bind the same port twice on this machine); yields (the nodes, the proxy's URL) and shuts
+    Serve, the driver and the nodes down after. Skips when this pytest process already runs Ray."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        pytest.skip("Ray already runs in this pytest process; run the cluster tests alone (make test-cluster)")
+    nodes = start_two_node_cluster(head_cpus=head_cpus, worker_cpus=worker_cpus)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        yield nodes, f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            nodes.stop()

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster_nodes import TwoNodeCluster, start_two_node_cluster
+from cluster_nodes import TwoNodeCluster, serve_on_two_nodes
 from workers.distributed.ports import free_port
 from conftest import SERVE_TEST_CONFIG, deploy, wait_until
 from test_k8s_dashboard import load_dashboard, targets, variable_values
@@ -30,24 +30,10 @@ SCRAPE_INTERVAL_S = 2
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray import serve
-
     if PROMETHEUS is None:
         pytest.skip("the `prometheus` binary is not installed (Debian package `prometheus`; make test-cluster installs it)")
-    if ray.is_initialized():
-        pytest.skip("Ray already runs in this pytest process; run the cluster tests alone (make test-cluster)")
-    nodes = start_two_node_cluster(head_cpus=2, worker_cpus=2)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        yield nodes, f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            nodes.stop()
+    with serve_on_two_nodes() as served:
+        yield served
 
 
 def start_prometheus(nodes: TwoNodeCluster, folder: Path) -> tuple[subprocess.Popen, str]:

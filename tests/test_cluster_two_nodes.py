@@ -23,8 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cluster_nodes import HEAD_RESOURCE, WORKER_RESOURCE, alive_nodes_with, start_two_node_cluster
-from workers.distributed.ports import free_port
+from cluster_nodes import HEAD_RESOURCE, WORKER_RESOURCE, alive_nodes_with, serve_on_two_nodes
 from conftest import SERVE_TEST_CONFIG, deploy, wait_until
 from model_fixtures import make_tiny_llama
 
@@ -40,23 +39,8 @@ SYSTEM_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray import serve
-
-    if ray.is_initialized():
-        pytest.skip("Ray already runs in this pytest process; run the cluster tests alone (make test-cluster)")
-    nodes = start_two_node_cluster(head_cpus=2, worker_cpus=2)
-    try:
-        port = free_port()
-        # One proxy, on the head: a proxy per node would bind the same port twice on this machine.
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        yield nodes, f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            nodes.stop()
+    with serve_on_two_nodes() as served:
+        yield served
 
 
 def node_ids() -> tuple[str, str]:
