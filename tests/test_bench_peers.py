@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from test_bench_serve_load import fake_server  # noqa: F401 (the fixture: a tiny
 from bench.online import serve_compare
 from bench.peers import llamacpp_peer
 from bench.peers.llamacpp_peer import LlamaServerSettings, server_command
+from bench.peers.managed_server import ManagedServer
 from bench.workload import BenchRequest
 
 
@@ -93,6 +96,29 @@ class FakeServer:
 def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(client="tpserve", request_rate=math.inf, seed=0, max_duration=30,
                               goodput_ttft_ms=1000.0, goodput_tpot_ms=100.0, **kw)
+
+
+def test_serve_prints_the_url_waits_for_the_server_and_stops_it(tmp_path, monkeypatch, capsys):
+    """`llamacpp_peer serve`: the URL on stdout, then it runs until the server exits; SIGTERM is
+    turned into an exit that unwinds through the `with`, and leaving it stops the server."""
+    stopped, handlers = [], {}
+
+    class Server(ManagedServer):
+        def stop(self, grace_s: float = 60.0) -> None:
+            stopped.append(self.proc.poll())
+            super().stop(grace_s)
+
+    def start(model_dir, parallel, dtype, max_model_len):
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        return Server(proc, 8123, tmp_path / "server.log", f"test-{tmp_path.name}")
+
+    monkeypatch.setattr(llamacpp_peer, "start_llamacpp_server", start)
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: handlers.setdefault(sig, handler))
+    assert llamacpp_peer.main(["serve", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "http://127.0.0.1:8123\n"
+    assert stopped == [0]  # stopped once, after the server process had exited
+    with pytest.raises(SystemExit):
+        handlers[signal.SIGTERM](signal.SIGTERM, None)
 
 
 def test_llamacpp_gets_one_server_per_level_sized_to_its_streams(fake_server):

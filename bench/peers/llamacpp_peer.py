@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.peers.managed_server import ManagedServer, launch
+from bench.peers.managed_server import ManagedServer, launch, serve_until_stopped
 from workers.distributed.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -177,14 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.action == "convert":
         print(ensure_gguf(a.model_dir, a.dtype))
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwind through the `with`, like Ctrl-C
-    try:
-        with start_llamacpp_server(a.model_dir, a.parallel, a.dtype, a.max_model_len) as srv:
-            print(srv.base_url, flush=True)
-            srv.proc.wait()
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return serve_until_stopped(lambda: start_llamacpp_server(a.model_dir, a.parallel, a.dtype, a.max_model_len))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -60,6 +62,20 @@ class ManagedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve_until_stopped(start: Callable[[], ManagedServer]) -> int:
+    """A peer's `serve` command: start the server, print its base URL, and wait until it exits or
+    we are stopped. SIGTERM must unwind through the `with` block, which stops the server and all it
+    spawned, as Ctrl-C does."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        with start() as srv:
+            print(srv.base_url, flush=True)
+            srv.proc.wait()
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 _MARKER_VAR = "TPSERVE_BENCH_SERVER"

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from bench.peers.managed_server import ManagedServer, launch
+from bench.peers.managed_server import ManagedServer, launch, serve_until_stopped
 from workers.distributed.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -143,16 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         from workers.model.default_model import ensure_default_model
 
         a.model_dir = ensure_default_model()
-    # SIGTERM must unwind through the `with` block, which stops vLLM, like Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        with start_vllm_server(a.model_dir, dtype=a.dtype, max_model_len=a.max_model_len,
-                               max_num_seqs=a.max_num_seqs) as srv:
-            print(srv.base_url, flush=True)
-            srv.proc.wait()
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return serve_until_stopped(lambda: start_vllm_server(a.model_dir, dtype=a.dtype, max_model_len=a.max_model_len,
+                                                          max_num_seqs=a.max_num_seqs))
 
 
 if __name__ == "__main__":
