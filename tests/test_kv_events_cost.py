@@ -90,9 +90,24 @@ def test_events_change_no_scheduling_decision():
     assert any(isinstance(e, BlockStored) for e in events) and any(isinstance(e, BlockRemoved) for e in events)
 
 
-def bench(seconds_budget: float) -> None:
-    from deployments.engine.kv_event_publisher import KVEventPublisher
+def mode_hook(mode: str, sched: Scheduler, replay: bool):
+    """The engine's per-step hook for one benchmark mode, and the publisher to close after the run
+    (None unless publishing; with `replay`, it also serves the replay socket)."""
+    if mode == "collect":
+        sched.kv.enable_events()
+        return (lambda s: s.kv.take_events()), None
+    if mode == "publish":
+        from deployments.engine.kv_event_publisher import KVEventPublisher
 
+        config = {"endpoint": "tcp://127.0.0.1:*"}
+        if replay:
+            config["replay_endpoint"] = "tcp://127.0.0.1:*"
+        publisher = KVEventPublisher.from_config(config, sched.kv)
+        return (lambda s: publisher.publish(s.kv.take_events())), publisher
+    return None, None
+
+
+def bench(seconds_budget: float) -> None:
     workload = make_workload(seed=0, num_requests=256, prompt_len=640, max_tokens=64)
     modes = ("off", "collect", "publish")
     # Per mode and clock, one sample per run: wall time, the engine thread's CPU time (what the
@@ -104,15 +119,7 @@ def bench(seconds_budget: float) -> None:
     while time.monotonic() < deadline or not samples["publish", "wall"]:
         for mode in modes:
             sched = make_scheduler(BENCH_CONFIG, workload)
-            publisher = None
-            hook = None
-            if mode == "collect":
-                sched.kv.enable_events()
-                hook = lambda s: s.kv.take_events()  # noqa: E731
-            elif mode == "publish":
-                publisher = KVEventPublisher.from_config(
-                    {"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}, sched.kv)
-                hook = lambda s: publisher.publish(s.kv.take_events())  # noqa: E731
+            hook, publisher = mode_hook(mode, sched, replay=True)
             start = {name: clock() for name, clock in clocks.items()}
             num_steps = len(run(sched, hook))
             if publisher is not None:
@@ -137,16 +144,7 @@ def once(mode: str, reps: int) -> None:
     workload = make_workload(seed=0, num_requests=256, prompt_len=640, max_tokens=64)
     for _ in range(reps):
         sched = make_scheduler(BENCH_CONFIG, workload)
-        publisher = None
-        hook = None
-        if mode == "collect":
-            sched.kv.enable_events()
-            hook = lambda s: s.kv.take_events()  # noqa: E731
-        elif mode == "publish":
-            from deployments.engine.kv_event_publisher import KVEventPublisher
-
-            publisher = KVEventPublisher.from_config({"endpoint": "tcp://127.0.0.1:*"}, sched.kv)
-            hook = lambda s: publisher.publish(s.kv.take_events())  # noqa: E731
+        hook, publisher = mode_hook(mode, sched, replay=False)
         run(sched, hook)
         if publisher is not None:
             publisher.close()
