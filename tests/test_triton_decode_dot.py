@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed (it is in the `test` extra)")
 
-from test_triton_paged_attention import make_case  # noqa: E402
+from test_triton_paged_attention import make_case, poison_past_context  # noqa: E402
 from workers.attention.graph_decode import torch_paged_decode  # noqa: E402
 from workers.attention.triton_decode import triton_paged_decode  # noqa: E402
 
@@ -60,15 +60,7 @@ def test_dot_variant_never_reads_past_the_context():
     q, k, v, tables, lens = make_case(13, [20, 5], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
                                       extra_width=2)
     expected = triton_paged_decode(q, k, v, tables, lens, 0.2, variant="dot")
-    poisoned_k, poisoned_v = k.clone(), v.clone()
-    used = set(tables.tolist()[0][:2] + tables.tolist()[1][:1])
-    stale = next(b for b in range(1, k.shape[0]) if b not in used)
-    poisoned_k[stale] = float("nan")
-    poisoned_v[stale] = float("nan")
-    stale_tables = tables.clone()
-    stale_tables[0, 2:] = stale
-    stale_tables[1, 1:] = stale
-    got = triton_paged_decode(q, poisoned_k, poisoned_v, stale_tables, lens, 0.2, variant="dot")
+    got = triton_paged_decode(q, *poison_past_context(k, v, tables, lens), lens, 0.2, variant="dot")
     torch.testing.assert_close(got, expected)
 
 

@@ -58,6 +58,22 @@ def make_case(seed: int, context_lens: list[int], *, num_heads: int, num_kv_head
             torch.tensor(tables, dtype=torch.int32, **to), torch.tensor(lens, dtype=torch.int32, **to))
 
 
+def poison_past_context(k_cache, v_cache, tables, lens):
+    """(K, V, tables) where every table entry past a request's last block names one block that no
+    request holds, filled with NaN: a kernel that reads past a context returns NaN."""
+    block_size = k_cache.shape[1]
+    num_used = [-(-ctx // block_size) for ctx in lens.tolist()]
+    used = {block for row, n in zip(tables.tolist(), num_used) for block in row[:n]}
+    stale = next(b for b in range(1, k_cache.shape[0]) if b not in used)
+    poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
+    poisoned_k[stale] = float("nan")
+    poisoned_v[stale] = float("nan")
+    stale_tables = tables.clone()
+    for row, n in enumerate(num_used):
+        stale_tables[row, n:] = stale
+    return poisoned_k, poisoned_v, stale_tables
+
+
 SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size)
     (4, 4, 64, 16),   # MHA
     (9, 3, 64, 16),   # SmolLM2-135M: groups of 3 (not a power of two)
@@ -134,15 +150,7 @@ def test_only_the_blocks_of_the_context_are_read():
     q, k, v, tables, lens = make_case(13, [20, 5], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
                                       extra_width=2)
     expected = triton_paged_decode(q, k, v, tables, lens, 0.2)
-    poisoned_k, poisoned_v = k.clone(), v.clone()
-    used = set(tables.tolist()[0][:2] + tables.tolist()[1][:1])
-    stale = next(b for b in range(1, k.shape[0]) if b not in used)
-    poisoned_k[stale] = float("nan")
-    poisoned_v[stale] = float("nan")
-    stale_tables = tables.clone()
-    stale_tables[0, 2:] = stale
-    stale_tables[1, 1:] = stale
-    got = triton_paged_decode(q, poisoned_k, poisoned_v, stale_tables, lens, 0.2)
+    got = triton_paged_decode(q, *poison_past_context(k, v, tables, lens), lens, 0.2)
     torch.testing.assert_close(got, expected)
 
 
