@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from scheduler.math_utils import cdiv
+from workers.attention.triton_paged_tiles import dot_scores, dot_softmax_step, load_kv_tile
 
 # Aim for at least this many programs per launch before splitting contexts (an H200 has 132
 # SMs; a few programs per SM hide memory latency).
@@ -71,6 +72,40 @@ def _online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, soft_cap, USE_SOF
 
 
 @triton.jit
+def _split_blocks(lens_ptr, req, split, window, min_blocks_per_split, BLOCK_SIZE: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """Both decode kernels' share of request `req`'s context: (context length, first position
+    attended, [start_block, end_block) of this split). The blocks [first_block, num_blocks) go
+    in NUM_SPLITS runs of equal length (at least min_blocks_per_split; later splits may get
+    none): sized on the device from the request's own context."""
+    ctx_len = tl.load(lens_ptr + req)
+    first_pos = 0
+    if USE_WINDOW:
+        first_pos = tl.maximum(ctx_len - window, 0)
+    num_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
+    first_block = first_pos // BLOCK_SIZE
+    blocks_per_split = tl.maximum(tl.cdiv(num_blocks - first_block, NUM_SPLITS), min_blocks_per_split)
+    start_block = first_block + split * blocks_per_split
+    end_block = tl.minimum(start_block + blocks_per_split, num_blocks)
+    return ctx_len, first_pos, start_block, end_block
+
+
+@triton.jit
+def _load_group_queries(q_ptr, req, kv_head, stride_qb, stride_qh, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr):
+    """The query rows of the GROUP heads that share `kv_head`, padded to ROWS rows and DIM_P2
+    dims with zeros; also their head ids and the masks of real heads and dims."""
+    rows = tl.arange(0, ROWS)
+    head_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    return q, heads, head_ok, dims, dim_ok
+
+
+@triton.jit
 def _store_split_result(acc, m_i, l_i, req, split, heads, dims, head_ok, dim_ok, out_ptr, stride_ob, stride_oh,
                         part_m_ptr, part_l_ptr, part_acc_ptr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         DIM_P2: tl.constexpr):
@@ -99,25 +134,12 @@ def _decode_split_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx_len = tl.load(lens_ptr + req)
-    first_pos = 0
-    if USE_WINDOW:
-        first_pos = tl.maximum(ctx_len - window, 0)
-    # This request's blocks [first_block, num_blocks) in NUM_SPLITS runs of equal length (at least
-    # min_blocks_per_split; later splits may get none): sized on the device from its own context.
-    num_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
-    first_block = first_pos // BLOCK_SIZE
-    blocks_per_split = tl.maximum(tl.cdiv(num_blocks - first_block, NUM_SPLITS), min_blocks_per_split)
-    start_block = first_block + split * blocks_per_split
-    end_block = tl.minimum(start_block + blocks_per_split, num_blocks)
-
-    heads = kv_head * GROUP + tl.arange(0, GROUP_P2)
-    head_ok = tl.arange(0, GROUP_P2) < GROUP
-    dims = tl.arange(0, DIM_P2)
-    dim_ok = dims < HEAD_DIM
+    ctx_len, first_pos, start_block, end_block = _split_blocks(lens_ptr, req, split, window, min_blocks_per_split,
+                                                               BLOCK_SIZE, NUM_SPLITS, USE_WINDOW)
+    q, heads, head_ok, dims, dim_ok = _load_group_queries(q_ptr, req, kv_head, stride_qb, stride_qh, GROUP, GROUP_P2,
+                                                          HEAD_DIM, DIM_P2)
+    q = q.to(tl.float32)
     offsets = tl.arange(0, BLOCK_SIZE)
-    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
 
     m_i = tl.full([GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P2], tl.float32)
@@ -151,24 +173,14 @@ def _decode_dot_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx_len = tl.load(lens_ptr + req)
-    first_pos = 0
-    if USE_WINDOW:
-        first_pos = tl.maximum(ctx_len - window, 0)
-    num_blocks = tl.cdiv(ctx_len, BLOCK_SIZE)
-    first_block = first_pos // BLOCK_SIZE
-    blocks_per_split = tl.maximum(tl.cdiv(num_blocks - first_block, NUM_SPLITS), min_blocks_per_split)
-    start_block = first_block + split * blocks_per_split
-    end_pos = tl.minimum((start_block + blocks_per_split) * BLOCK_SIZE, ctx_len)
+    ctx_len, first_pos, start_block, end_block = _split_blocks(lens_ptr, req, split, window, min_blocks_per_split,
+                                                               BLOCK_SIZE, NUM_SPLITS, USE_WINDOW)
+    # The split's key positions (a block's positions past the context are not keys).
+    end_pos = tl.minimum(end_block * BLOCK_SIZE, ctx_len)
     start_pos = tl.maximum(start_block * BLOCK_SIZE, first_pos)
 
-    rows = tl.arange(0, Q_ROWS)
-    head_ok = rows < GROUP
-    heads = kv_head * GROUP + rows
-    dims = tl.arange(0, DIM_P2)
-    dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    q, heads, head_ok, dims, dim_ok = _load_group_queries(q_ptr, req, kv_head, stride_qb, stride_qh, GROUP, Q_ROWS,
+                                                          HEAD_DIM, DIM_P2)
     if DOT_F32:
         q = q.to(tl.float32)
     m_i = tl.full([Q_ROWS], float("-inf"), tl.float32)
@@ -178,30 +190,11 @@ def _decode_dot_kernel(
     for start in range(start_pos, end_pos, KEYS):
         pos = start + offsets
         ok = pos < end_pos
-        block_id = tl.load(tables_ptr + req * stride_tb + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        kv_off = block_id * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-        kv_mask = ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        if USE_SOFT_CAP:
-            scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
+        k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr + req * stride_tb, pos, ok, kv_head, dims, dim_ok,
+                            stride_kb, stride_kt, stride_kh, BLOCK_SIZE, DOT_F32)
+        scores = dot_scores(q, k, scale, soft_cap, USE_SOFT_CAP, IEEE)
         scores = tl.where(ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = dot_softmax_step(scores, v, m_i, l_i, acc, IEEE)
 
     _store_split_result(acc, m_i, l_i, req, split, heads, dims, head_ok, dim_ok, out_ptr, stride_ob, stride_oh,
                         part_m_ptr, part_l_ptr, part_acc_ptr, NUM_HEADS, NUM_SPLITS, DIM_P2)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from scheduler.math_utils import cdiv
+from workers.attention.triton_paged_tiles import dot_scores, dot_softmax_step, load_kv_tile
 
 # Query rows per program, key positions per iteration: 16 is the smallest tl.dot tile; 64 x 64
 # is the usual flash-attention tile for head dims up to 128 (at 256, 32 keys keep registers in
@@ -88,35 +89,14 @@ def _prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + offsets
         k_ok = k_pos < hi
-        block_id = tl.load(tables_ptr + chunk * stride_tb + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = block_id * stride_kb + (k_pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-        kv_mask = k_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale
-        if USE_SOFT_CAP:
-            scores = soft_cap * (2.0 * tl.sigmoid(2.0 * scores / soft_cap) - 1.0)
+        k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr + chunk * stride_tb, k_pos, k_ok, kv_head, dims, dim_ok,
+                            stride_kb, stride_kt, stride_kh, BLOCK_SIZE, DOT_F32)
+        scores = dot_scores(q, k, scale, soft_cap, USE_SOFT_CAP, IEEE)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # Rows with no visible key yet keep m = -inf; exp(-inf - -inf) must not be NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = dot_softmax_step(scores, v, m_i, l_i, acc, IEEE)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (query_start + rows)[:, None].to(tl.int64) * stride_ot + head * stride_oh + dims[None, :],
