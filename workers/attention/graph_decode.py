@@ -123,13 +123,9 @@ def torch_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out.reshape(num_reqs, num_heads * head_dim)
 
 
-class TorchDecodeAttention:
-    """The reference kernel in torch ops; works on any device (the CPU tests run it)."""
-
-    name = "torch"
-
-    def block_buckets(self, max_blocks: int) -> list[int]:
-        return context_block_buckets(max_blocks)
+class StatelessDecodeBackend:
+    """The part of DecodeAttentionBackend that the backends reading only the static buffers share:
+    no per-batch-size state and no host work before a forward or replay."""
 
     def make_state(self, batch_size: int, num_blocks: int, for_graph: bool) -> Any:
         return None
@@ -137,12 +133,21 @@ class TorchDecodeAttention:
     def plan(self, meta: DecodeAttention, block_tables: list[list[int]], context_lens: list[int]) -> None:
         return None
 
+
+class TorchDecodeAttention(StatelessDecodeBackend):
+    """The reference kernel in torch ops; works on any device (the CPU tests run it)."""
+
+    name = "torch"
+
+    def block_buckets(self, max_blocks: int) -> list[int]:
+        return context_block_buckets(max_blocks)
+
     def forward(self, q, k_cache, v_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
         return torch_paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
-class TritonDecodeAttention:
+class TritonDecodeAttention(StatelessDecodeBackend):
     """workers/attention/triton_decode.py: reads only the blocks a request holds, one width."""
 
     name = "triton"
@@ -155,18 +160,12 @@ class TritonDecodeAttention:
     def block_buckets(self, max_blocks: int) -> list[int]:
         return [max_blocks]
 
-    def make_state(self, batch_size: int, num_blocks: int, for_graph: bool) -> Any:
-        return None
-
-    def plan(self, meta, block_tables, context_lens) -> None:
-        return None
-
     def forward(self, q, k_cache, v_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
         return self._fn(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
-class FlashAttnDecodeAttention:
+class FlashAttnDecodeAttention(StatelessDecodeBackend):
     """`flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)`; K/V are written
     by the caller (write_kv), so cache_seqlens are the context lengths with the new token."""
 
@@ -179,12 +178,6 @@ class FlashAttnDecodeAttention:
 
     def block_buckets(self, max_blocks: int) -> list[int]:
         return [max_blocks]
-
-    def make_state(self, batch_size: int, num_blocks: int, for_graph: bool) -> Any:
-        return None
-
-    def plan(self, meta, block_tables, context_lens) -> None:
-        return None
 
     def forward(self, q, k_cache, v_cache, meta, scale, *, sliding_window=None, logits_soft_cap=None):
         num_reqs, num_heads, head_dim = q.shape
