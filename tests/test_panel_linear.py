@@ -1,8 +1,9 @@
-"""The float32 projection kernel (workers/cpu/csrc/panel_linear.cpp): F.linear's numbers at every row
+"""The panel projection kernel (workers/cpu/csrc/panel_linear.cpp): F.linear's numbers at every row
 count its register tiles split into (AVX2: 1-6 rows and every remainder past a tile of 6; AVX-512:
 1-12 and every remainder past a tile of 12), odd K, an odd number of panels (AVX-512 takes them two
-at a time), strided rows and biases; the panel packing; refusals; linear() routing; prepack_linears' panel
-copies; the calibration against oneDNN at load; an engine's tokens with the kernel on and off."""
+at a time), strided rows and biases; bf16 panels (AVX512-BF16 builds) against a float32 sum rounded
+once; the panel packing; refusals; linear() routing; prepack_linears' panel copies; the calibration
+against oneDNN at load; an engine's tokens with the kernel on and off, float32 and bf16."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from workers.model.config import ModelConfig
 from workers.distributed.parallel_state import SINGLE_RANK
 
 AVAILABLE = cpu_ops.load() and bool(cpu_ops.ops().panel_linear_available())
+BF16_AVAILABLE = AVAILABLE and bool(cpu_ops.ops().panel_linear_bf16_available())
+needs_bf16_panels = pytest.mark.skipif(not BF16_AVAILABLE or not can_prepack(torch.device("cpu"), torch.bfloat16),
+                                       reason="needs a kernel build with AVX512-BF16 (bf16 panels) and oneDNN's bf16 GEMM")
 pytestmark = pytest.mark.skipif(not AVAILABLE or not can_prepack(torch.device("cpu"), torch.float32),
                                 reason="needs tpserve's CPU kernels built with AVX2 + FMA, and oneDNN")
 
@@ -39,6 +43,33 @@ def test_panel_linear_equals_f_linear(rows, k, n, bias):
     x, w = torch.randn(rows, k), torch.randn(n, k)
     b = torch.randn(n) if bias else None
     torch.testing.assert_close(_panel(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize("rows", [*range(1, 26), 64, 301])
+@pytest.mark.parametrize("k, n", [(576, 960), (37, 32), (1536, 16), (64, 80)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_panels_give_the_float32_sum_rounded_once(rows, k, n, bias):
+    """bf16 x, weights and bias: every product is exact in float32, so the reference is torch's
+    float32 matmul of the same values, plus the bias, rounded once to bf16 (sums in another
+    order may round a value to its neighbour: bf16's tolerance)."""
+    torch.manual_seed(rows * 1000 + k + n)
+    x, w = torch.randn(rows, k).bfloat16(), (torch.randn(n, k) / k**0.5).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    expected = (x.float() @ w.float().t() + (b.float() if bias else 0)).bfloat16()
+    got = _panel(x, w, b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected)
+
+
+@needs_bf16_panels
+def test_bf16_panels_refuse_mixed_dtypes():
+    packed = torch.ops.tpserve_cpu.panel_pack_weight(torch.randn(32, 48).bfloat16())
+    assert packed.dtype == torch.bfloat16 and packed.shape == (2, 48, 16)
+    with pytest.raises(RuntimeError, match="packed weight's dtype"):
+        torch.ops.tpserve_cpu.panel_linear(torch.randn(2, 48), packed, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.tpserve_cpu.panel_linear(torch.randn(2, 48).bfloat16(), packed, torch.randn(32))
 
 
 def test_panel_pack_weight_puts_sixteen_outputs_per_line_of_k():
@@ -67,8 +98,8 @@ def test_panel_linear_takes_strided_rows_and_refuses_what_it_cannot_do():
         torch.ops.tpserve_cpu.panel_linear(torch.randn(7, 48), shifted, None)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.tpserve_cpu.panel_pack_weight(torch.randn(33, 48))
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.tpserve_cpu.panel_pack_weight(torch.randn(32, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.tpserve_cpu.panel_pack_weight(torch.randn(32, 48).half())
     with pytest.raises(RuntimeError, match="K = 48"):
         torch.ops.tpserve_cpu.panel_linear(torch.randn(2, 47), packed, None)
     with pytest.raises(RuntimeError, match="bias must be"):
@@ -138,6 +169,39 @@ def test_engine_tokens_are_the_same_with_and_without_the_panel_kernel(tmp_path):
     assert {m.small_batch_weight is None for m in layers[0]} == {True}
     if rows[1] != {0}:  # the calibration may, on some CPU, find oneDNN faster even at 4 rows
         assert {m.small_batch_weight.dim() for m in layers[1]} == {3}
+    outputs = [run_engine(e, prompts) for e in engines]
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 12 for tokens in outputs[1].values())
+
+
+class _OpsWithoutAmx:
+    """tpserve's ops as a CPU without AMX reports them (amx_linear_max_rows 0)."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def __getattr__(self, name):
+        return (lambda: 0) if name == "amx_linear_max_rows" else getattr(self._ops, name)
+
+
+@needs_bf16_panels
+def test_bf16_engines_without_amx_take_bf16_panels_and_keep_their_tokens(tmp_path, monkeypatch):
+    """A bf16 engine on a CPU with AVX512-BF16 but no AMX (emulated: amx_linear_max_rows 0) gives
+    its projections bf16 panel copies up to the calibrated limit (fixed at 16 rows here: decode
+    steps on the panels, prompt chunks on oneDNN) and greedy-decodes the tokens of an engine on
+    oneDNN alone (random tiny model: no near-ties)."""
+    import workers.worker
+
+    real_ops = cpu_ops.ops()
+    monkeypatch.setattr(workers.worker.kernels, "ops", lambda: _OpsWithoutAmx(real_ops))
+    monkeypatch.setattr(workers.worker, "calibrate_panel_rows",
+                        lambda shapes, dtype=torch.float32: (16, ()) if dtype == torch.bfloat16 else (0, ()))
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=True)
+    prompts = {f"r{i}": (list(range(3 + i, 40 + 7 * i)), greedy(12)) for i in range(4)}
+    engines = [make_engine(path, dtype="bfloat16", cpu_small_batch_linear=on) for on in (False, True)]
+    layers = [m for m in engines[1].executor.worker.model.modules() if hasattr(m, "packed_weight")]
+    assert {m.small_batch_rows for m in layers} == {16}
+    assert {(m.small_batch_weight.dim(), m.small_batch_weight.dtype) for m in layers} == {(3, torch.bfloat16)}
     outputs = [run_engine(e, prompts) for e in engines]
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 12 for tokens in outputs[1].values())

@@ -163,8 +163,8 @@ class WorkerCore:
         if not (cfg.cpu_small_batch_linear and self.backend.name == "cpu_kernels"):
             return 0, LAYOUT_PLAIN
         ops = kernels.ops()
+        shapes = tuple(tuple(m.weight.shape) for m in model.layers[0].modules() if hasattr(m, "packed_weight"))
         if cfg.dtype == torch.float32:
-            shapes = tuple(tuple(m.weight.shape) for m in model.layers[0].modules() if hasattr(m, "packed_weight"))
             if not shapes or not ops.panel_linear_available() or not packable_in_sixteens(model):
                 return 0, LAYOUT_PLAIN
             # How far it beats oneDNN depends on the CPU: timed once per process.
@@ -173,6 +173,10 @@ class WorkerCore:
             amx_rows = int(ops.amx_linear_max_rows())  # 0 without AMX
             if amx_rows and packable_in_sixteens(model):
                 return amx_rows, LAYOUT_AMX
+            if shapes and ops.panel_linear_bf16_available() and packable_in_sixteens(model):
+                panel_rows = calibrate_panel_rows(shapes, torch.bfloat16)[0]
+                if panel_rows:
+                    return panel_rows, LAYOUT_PANEL
             return int(ops.skinny_linear_max_rows_bf16()), LAYOUT_PLAIN  # 0 without AVX512-BF16
         return 0, LAYOUT_PLAIN
 

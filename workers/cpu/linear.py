@@ -23,9 +23,16 @@ kernels instead, on the layer's `small_batch_weight`, a copy of the weight laid 
 - bf16 with AMX (a Xeon since Sapphire Rapids): `amx_linear` (workers/cpu/csrc/amx_linear.cpp) on a
   copy of the weight in AMX tile order, 1-64 rows: 1.3-1.9x oneDNN's speed at 1-32 rows, 1.0-1.2x
   at 48-64 (the file says how); the plain weight is then dropped like in the packed-only case.
-- bf16 with AVX512-BF16 but no AMX: `skinny_linear`'s one-pass loop of AVX512-BF16 dot products
-  on the plain weight for 1-8 rows (on a Xeon, before amx_linear, it took an in-process decode
-  step of the default model from 39.1 to 24.0 ms at 1 request, 36.0 to 25.8 at 4), which is kept.
+- bf16 with AVX512-BF16 but no AMX (AMD Zen 4, Intel before Sapphire Rapids): `panel_linear` on a
+  copy packed in bf16 panels, each weight widened to float32 as it loads, float32 FMAs (oneDNN's
+  bf16 GEMM on such CPUs runs on `vdpbf16ps`, which a Xeon issues at half the FLOP rate of its
+  FMAs). On a Xeon running the avx512_bf16 build, oneDNN capped to the same instructions, the
+  default model's 30 layers cold, one thread's CPU time: 1.4x oneDNN at 1 row, 1.6-1.7x at 8-64,
+  1.4x at 256, and 1.0-1.4x `skinny_linear` at 1-8 rows. Its limit is timed at load like the
+  float32 one. Where that finds oneDNN faster even at 4 rows (or the build has no AVX512-BF16
+  panels), `skinny_linear`'s one-pass loop of AVX512-BF16 dot products takes 1-8 rows on the plain
+  weight (on a Xeon, before amx_linear, it took an in-process decode step of the default model
+  from 39.1 to 24.0 ms at 1 request, 36.0 to 25.8 at 4), which is then kept.
 """
 
 from __future__ import annotations
@@ -97,21 +104,22 @@ def choose_panel_rows(panel_faster: dict[int, bool]) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def calibrate_panel_rows(shapes: tuple[tuple[int, int], ...]) -> tuple[int, tuple]:
-    """panel_linear's row limit on this CPU for float32 projections of the given [out, in] shapes
-    (one layer's): both kernels timed at each probe row count, a pass running every shape over
-    copies of random weights that add up to CALIBRATION_BYTES (at most CALIBRATION_MAX_COPIES).
-    Returns (rows, ((probe, panel s, oneDNN s), ...)). Once per set of shapes and process."""
+def calibrate_panel_rows(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype = torch.float32) -> tuple[int, tuple]:
+    """panel_linear's row limit on this CPU for projections of the given [out, in] shapes (one
+    layer's) in `dtype` (float32, or bf16 on AVX512-BF16 builds): both kernels timed at each probe
+    row count, a pass running every shape over copies of random weights that add up to
+    CALIBRATION_BYTES (at most CALIBRATION_MAX_COPIES). Returns (rows, ((probe, panel s, oneDNN s),
+    ...)). Once per set of shapes, dtype and process."""
     gen = torch.Generator().manual_seed(0)
-    layer_bytes = 4 * sum(n * k for n, k in shapes)
+    layer_bytes = dtype.itemsize * sum(n * k for n, k in shapes)
     copies = max(1, min(CALIBRATION_MAX_COPIES, CALIBRATION_BYTES // max(1, layer_bytes)))
-    weights = [torch.randn(n, k, generator=gen) for _ in range(copies) for n, k in shapes]
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies) for n, k in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
     panels = [torch.ops.tpserve_cpu.panel_pack_weight(w) for w in weights]
     del weights
     faster, timings = {}, []
     for probe in PANEL_PROBES:
-        xs = {k: torch.randn(probe, k, generator=gen) for k in {k for _, k in shapes}}
+        xs = {k: torch.randn(probe, k, generator=gen).to(dtype) for k in {k for _, k in shapes}}
 
         def run_panel():
             for w in panels:
@@ -134,8 +142,9 @@ def calibrate_panel_rows(shapes: tuple[tuple[int, int], ...]) -> tuple[int, tupl
         if not faster[probe]:
             break  # the limit is known; larger probes would only cost load time
     rows = choose_panel_rows(faster)
-    logger.info("panel_linear takes float32 batches of %s, oneDNN %s (timed at load over %d copies of %s, rows: "
-                "panel / oneDNN ms: %s)", "every size" if rows == PANEL_ALL_ROWS else f"up to {rows} rows",
+    logger.info("panel_linear takes %s batches of %s, oneDNN %s (timed at load over %d copies of %s, rows: "
+                "panel / oneDNN ms: %s)", str(dtype).removeprefix("torch."),
+                "every size" if rows == PANEL_ALL_ROWS else f"up to {rows} rows",
                 "none" if rows == PANEL_ALL_ROWS else "the rest", copies, list(shapes),
                 ", ".join(f"{m}: {1e3 * a:.2f} / {1e3 * b:.2f}" for m, a, b in timings))
     return rows, tuple(timings)
@@ -157,7 +166,7 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
     small_batch_rows > 0 (tpserve's CPU kernels loaded, the dtype one of theirs: the caller
     checks): batches of up to that many rows run a small-batch kernel on `small_batch_weight`,
     laid out per `layout`: LAYOUT_AMX (bf16 on a CPU with AMX) a copy in AMX tile order for
-    amx_linear, LAYOUT_PANEL (float32) a copy in panels for panel_linear, LAYOUT_PLAIN the plain
+    amx_linear, LAYOUT_PANEL (float32, or bf16 without AMX) a copy in panels for panel_linear, LAYOUT_PLAIN the plain
     weight for skinny_linear (bf16), which is then kept. A weight no small-batch kernel reads and
     no other module uses is dropped (the packed copy replaces it); one that is shared (an LM head
     tied to the embedding table) is kept for its other user."""

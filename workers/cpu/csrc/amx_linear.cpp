@@ -238,6 +238,17 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
 // 29.7 -> 25.7 and 28.3 -> 22.1; 64 rows 25.4 -> 24.7 and 25.8 -> 23.6; 96 rows 55.2 -> 54.5 and
 // 32.1 -> 34.5; 128 rows 61.6 -> 68.2 and 35.6 -> 42.8. From ~64 rows the tile products, not the
 // weights, bound it, and oneDNN's blocking does better there.
+// Re-measured with torch 2.13's oneDNN (same Xeon, the 4 projections x 30 layers without the LM
+// head, arms alternated): oneDNN now wins the projections alone from ~40 rows (64 rows 16.3-17.0
+// vs 21.0 ms), but in an engine's decode step, the limit toggled between steps of one process,
+// 32 instead of 64 changed nothing (64 requests 56.3 vs 57.2 ms, 40 requests 41.1 vs 39.6), and
+// a limit timed at load the way panel_linear's is picked 8-16 rows on a loaded machine, where
+// oneDNN is 1.3x slower. So the limit stays fixed.
+// Tried at 64 rows and dropped (no change beyond +-5%): B tiles double-buffered in tmm6 / tmm7, A
+// tiles prefetched into L1 a k block ahead, B prefetched 1-16 tiles ahead, into L1 or L2. With the
+// loads left out the tile products alone ran at 2.0-2.4 TFLOP/s (four accumulating C tiles, 18-48
+// k blocks per n block) against peak_probe's 7.6 with six, and the weight stream did not overlap
+// them: a 64-row pass took about their sum.
 int64_t amx_linear_max_rows() {
 #if defined(TPSERVE_AMX)
   return amx_usable() ? 64 : 0;

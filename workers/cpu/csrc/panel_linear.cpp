@@ -41,6 +41,9 @@
 #if defined(TPSERVE_PANEL_AVX2) && defined(__AVX512F__)
 #define TPSERVE_PANEL_AVX512 1
 #endif
+#if defined(TPSERVE_PANEL_AVX512) && defined(__AVX512BF16__)
+#define TPSERVE_PANEL_BF16 1
+#endif
 
 namespace {
 
@@ -144,16 +147,31 @@ constexpr int kTileRows512 = 12;
   }
 #define TPSERVE_ACC512_STORE(i)                                                                        \
   if constexpr (R > i) {                                                                               \
-    _mm512_storeu_ps(y + i * y_stride, _mm512_add_ps(acc##i##a, b0));                                  \
-    if constexpr (P == 2) _mm512_storeu_ps(y + i * y_stride + kPanel, _mm512_add_ps(acc##i##b, b1));   \
+    store16(y + i * y_stride, _mm512_add_ps(acc##i##a, b0));                                           \
+    if constexpr (P == 2) store16(y + i * y_stride + kPanel, _mm512_add_ps(acc##i##b, b1));            \
   }
+
+// Weights as they sit in the panels: float32, or bf16 (as its bits) widened to float32 on load,
+// exactly (a bf16 value is a float32 with the low 16 bits zero).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+// Outputs: float32, or rounded once to bf16 (round to nearest even, as c10::BFloat16 does).
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+#if defined(TPSERVE_PANEL_BF16)
+inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+#endif
 
 // R x rows (x_stride apart) times P (1 or 2) panels (panel_size floats apart) into y's 16 P
 // columns (y_stride apart), plus bias (16 P values, or null). pf0, pf1: panels to prefetch into
 // L2, one line of each per k, or null.
-template <int R, int P>
-void tile512(const float* x, int64_t x_stride, const float* panel, int64_t panel_size, int64_t K, const float* bias,
-             float* y, int64_t y_stride, const float* pf0, const float* pf1) {
+template <int R, int P, typename W, typename Y>
+void tile512(const float* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K, const float* bias,
+             Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
   TPSERVE_ACC512_DECL(0) TPSERVE_ACC512_DECL(1) TPSERVE_ACC512_DECL(2) TPSERVE_ACC512_DECL(3)
   TPSERVE_ACC512_DECL(4) TPSERVE_ACC512_DECL(5) TPSERVE_ACC512_DECL(6) TPSERVE_ACC512_DECL(7)
   TPSERVE_ACC512_DECL(8) TPSERVE_ACC512_DECL(9) TPSERVE_ACC512_DECL(10) TPSERVE_ACC512_DECL(11)
@@ -161,8 +179,8 @@ void tile512(const float* x, int64_t x_stride, const float* panel, int64_t panel
   for (int64_t k = 0; k < K; ++k) {
     if (pf0) _mm_prefetch(reinterpret_cast<const char*>(pf0 + k * kPanel), _MM_HINT_T1);
     if (pf1) _mm_prefetch(reinterpret_cast<const char*>(pf1 + k * kPanel), _MM_HINT_T1);
-    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel);
-    const __m512 w1 = P == 2 ? _mm512_loadu_ps(panel + panel_size + k * kPanel) : w0;
+    const __m512 w0 = load16(panel + k * kPanel);
+    const __m512 w1 = P == 2 ? load16(panel + panel_size + k * kPanel) : w0;
     TPSERVE_ACC512_FMA(0) TPSERVE_ACC512_FMA(1) TPSERVE_ACC512_FMA(2) TPSERVE_ACC512_FMA(3)
     TPSERVE_ACC512_FMA(4) TPSERVE_ACC512_FMA(5) TPSERVE_ACC512_FMA(6) TPSERVE_ACC512_FMA(7)
     TPSERVE_ACC512_FMA(8) TPSERVE_ACC512_FMA(9) TPSERVE_ACC512_FMA(10) TPSERVE_ACC512_FMA(11)
@@ -178,19 +196,20 @@ void tile512(const float* x, int64_t x_stride, const float* panel, int64_t panel
 #undef TPSERVE_ACC512_STORE
 
 // The last tile of a panel's rows: `rest` (1 to kTileRows512 - 1) rows, a compile-time count each.
-template <int P, int R = kTileRows512 - 1, typename... Args>
-void tile512_rest(int64_t rest, Args... args) {
+template <int P, int R = kTileRows512 - 1, typename W, typename Y>
+void tile512_rest(int64_t rest, const float* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K,
+                  const float* bias, Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
   if constexpr (R > 0) {
-    if (rest == R) return tile512<R, P>(args...);
-    tile512_rest<P, R - 1>(rest, args...);
+    if (rest == R) return tile512<R, P>(x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
+    tile512_rest<P, R - 1>(rest, x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
   }
 }
 
 // All M rows against P panels: full tiles of kTileRows512, then one tile of the rest. The first
 // tile prefetches the next panels.
-template <int P>
-void panel_rows512(int64_t M, const float* x, int64_t x_stride, const float* panel, int64_t panel_size, int64_t K,
-                   const float* bias, float* y, int64_t y_stride, const float* pf0, const float* pf1) {
+template <int P, typename W, typename Y>
+void panel_rows512(int64_t M, const float* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K,
+                   const float* bias, Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
   int64_t m = 0;
   for (; m + kTileRows512 <= M; m += kTileRows512)
     tile512<kTileRows512, P>(x + m * x_stride, x_stride, panel, panel_size, K, bias, y + m * y_stride, y_stride,
@@ -201,11 +220,12 @@ void panel_rows512(int64_t M, const float* x, int64_t x_stride, const float* pan
 }
 
 // One task's panels [begin, end) for `rows` rows of x, two at a time (an odd last one alone).
-void task_panels(int64_t rows, const float* x, int64_t x_stride, const float* wp, int64_t panel_size, int64_t K,
-                 const float* bias, float* y, int64_t N, int64_t begin, int64_t end) {
+template <typename W, typename Y>
+void task_panels(int64_t rows, const float* x, int64_t x_stride, const W* wp, int64_t panel_size, int64_t K,
+                 const float* bias, Y* y, int64_t N, int64_t begin, int64_t end) {
   for (int64_t p = begin; p < end; p += 2) {
-    const float* pf0 = p + 2 < end ? wp + (p + 2) * panel_size : nullptr;
-    const float* pf1 = p + 3 < end ? wp + (p + 3) * panel_size : nullptr;
+    const W* pf0 = p + 2 < end ? wp + (p + 2) * panel_size : nullptr;
+    const W* pf1 = p + 3 < end ? wp + (p + 3) * panel_size : nullptr;
     const float* b = bias ? bias + p * kPanel : nullptr;
     if (p + 1 < end)
       panel_rows512<2>(rows, x, x_stride, wp + p * panel_size, panel_size, K, b, y + p * kPanel, N, pf0, pf1);
@@ -216,60 +236,92 @@ void task_panels(int64_t rows, const float* x, int64_t x_stride, const float* wp
 #endif
 
 void check_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "panel_linear: a float32 weight [N, K]");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "panel_linear: a float32 or bfloat16 weight [N, K]");
   TORCH_CHECK(weight.size(0) % kPanel == 0, "panel_linear: output features must be a multiple of ", kPanel,
               ", got ", weight.size(0));
 }
 
-// W [N, K] -> [N/16, K, 16]: out[p][k][j] = W[16p + j][k]. Once per weight, at load.
+template <typename T>
+void pack_panels(const T* w, T* o, int64_t panels, int64_t K) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const T* row = w + (p * kPanel + j) * K;
+        T* dst = o + p * K * kPanel + j;
+        for (int64_t k = 0; k < K; ++k) dst[k * kPanel] = row[k];
+      }
+  });
+}
+
+// W [N, K] -> [N/16, K, 16] of W's dtype: out[p][k][j] = W[16p + j][k]. Once per weight, at load.
 at::Tensor panel_pack_weight(const at::Tensor& weight_in) {
   check_weight(weight_in);
   const at::Tensor weight = weight_in.contiguous();
   const int64_t N = weight.size(0), K = weight.size(1), panels = N / kPanel;
   at::Tensor out = at::empty({panels, K, kPanel}, weight.options());
-  const float* w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t j = 0; j < kPanel; ++j) {
-        const float* row = w + (p * kPanel + j) * K;
-        float* dst = o + p * K * kPanel + j;
-        for (int64_t k = 0; k < K; ++k) dst[k * kPanel] = row[k];
-      }
-  });
+  if (weight.scalar_type() == at::kFloat)
+    pack_panels(weight.data_ptr<float>(), out.data_ptr<float>(), panels, K);
+  else
+    pack_panels(reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()),
+                reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), panels, K);
   return out;
 }
 
+// Whether this build multiplies bf16 panels: AVX-512 with AVX512-BF16 (for its one rounding of
+// the float32 sums to bf16).
+bool panel_linear_bf16_available() {
+#if defined(TPSERVE_PANEL_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y [M, N] = x W^T + bias. float32 x and panels: float32 y. bf16 x and panels (AVX512-BF16 builds):
+// x widened to float32 once, the panels' weights widened as they load, float32 sums (the products
+// of two bf16 values are exact in float32) plus the bias, rounded once to a bf16 y.
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && (packed.scalar_type() == at::kFloat || bf16) &&
                   packed.is_contiguous(),
-              "panel_linear: the weight as panel_pack_weight returns it, [N/16, K, 16] float32");
+              "panel_linear: the weight as panel_pack_weight returns it, [N/16, K, 16] float32 or bfloat16");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0,
               "panel_linear: the packed weight must start 32-byte aligned, as panel_pack_weight returns it");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == packed.size(1) && x_in.scalar_type() == at::kFloat,
-              "panel_linear: x must be float32 [M, K] with K = ", packed.size(1));
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == packed.size(1) && x_in.scalar_type() == packed.scalar_type(),
+              "panel_linear: x must be [M, K] with K = ", packed.size(1), " of the packed weight's dtype");
+  TORCH_CHECK(!bf16 || panel_linear_bf16_available(), "panel_linear: bfloat16 needs a build with AVX512-BF16");
 #if defined(TPSERVE_PANEL_AVX2)
-  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  // bf16 x: widened once here (M x K, small next to the weights); float32 x: used in place.
+  const at::Tensor x = bf16 ? x_in.to(at::kFloat).contiguous() : x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), N = panels * kPanel;
   at::Tensor b;
   const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == N, "panel_linear: bias must be float32 [N]");
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias->scalar_type() == x_in.scalar_type() && b.numel() == N, "panel_linear: bias must be [N] of x's dtype");
     bias_ptr = b.data_ptr<float>();
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x_in.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0), panel_size = K * kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, M - m0);
-      task_panels(rows, xp + m0 * x_stride, x_stride, wp, panel_size, K, bias_ptr, yp + m0 * N, N, begin, end);
-    }
-  });
+  auto run = [&](const auto* wp, auto* yp) {
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, M - m0);
+        task_panels(rows, xp + m0 * x_stride, x_stride, wp, panel_size, K, bias_ptr, yp + m0 * N, N, begin, end);
+      }
+    });
+  };
+#if defined(TPSERVE_PANEL_BF16)
+  if (bf16) {
+    run(reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
+        reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()));
+    return y;
+  }
+#endif
+  run(packed.data_ptr<float>(), y.data_ptr<float>());
   return y;
 #else
   TORCH_CHECK(false, "panel_linear: built without AVX2 + FMA (panel_linear_available() is false)");
@@ -277,7 +329,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
 #endif
 }
 
-// Whether this build has the kernel (AVX2 + FMA).
+// Whether this build has the kernel (AVX2 + FMA), for float32.
 bool panel_linear_available() {
 #if defined(TPSERVE_PANEL_AVX2)
   return true;
@@ -292,4 +344,5 @@ TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("panel_pack_weight(Tensor weight) -> Tensor", &panel_pack_weight);
   m.def("panel_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &panel_linear);
   m.def("panel_linear_available() -> bool", &panel_linear_available);
+  m.def("panel_linear_bf16_available() -> bool", &panel_linear_bf16_available);
 }
