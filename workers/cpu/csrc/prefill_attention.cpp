@@ -439,7 +439,9 @@ void pack_panel(float* k_dst, float* v_dst, const T* k_cache, const T* v_cache, 
 // The roundings are those of torch's CPU flash attention for reduced types (what HF's SDPA runs
 // on CPU): scores in float32 from bf16 q and k, times the scale in float32, a float32 softmax with
 // float32 row sums, the probabilities rounded to bf16 for P V only, float32 output accumulators
-// divided by the row sum and rounded to bf16 once.
+// divided by the row sum and rounded to bf16 once. (The float32 exp is computed as 2^x with the
+// scale and log2 e folded into one factor, to 2 ulp, against a row max that may lag the true one
+// by up to 2^8 (kLazyRescale); probabilities below 2^-126 are 0, as torch's exp makes them.)
 #define TPSERVE_PREFILL_BF16 1
 
 // bf16 values as their bits (the packed panels copy the cache's bits).
@@ -548,8 +550,8 @@ constexpr float kLazyRescale = 8.f;
 
 // 2^t on 16 floats: t = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial fitted (minimax, relative)
 // on [-1/2, 1/2], then scaled by 2^n (scalef). Relative error 2.3e-7 (2 ulp of fp32), as exp512's.
-// t = -inf gives NaN (f = -inf - -inf): callers clamp masked scores first (scalef of a
-// large negative n is an exact 0).
+// t = -inf gives NaN (f = -inf - -inf): callers clamp masked scores first (a large negative n
+// gives 0, flushed: attend_bf16 runs with flush-to-zero).
 inline __m512 exp2_512(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
@@ -638,7 +640,7 @@ inline float softmax_row_bf16(float* sr, Bits* pr, int64_t nk, float scale, floa
   return alpha;
 }
 
-// o[0..d) *= alpha, where alpha is not 1.
+// o[0..d) *= alpha (nothing to do where alpha is 1, the common case).
 inline void rescale_row(float* o, float alpha, int64_t d) {
   if (alpha == 1.f) return;
   const __m512 a = _mm512_set1_ps(alpha);
@@ -876,10 +878,12 @@ struct WorkspaceAmx {
 };
 
 // attend_tile's form on AMX tiles (head_dim a multiple of 32, keys aligned to kAmxKeys): per key
-// block of kAmxBlock keys, per 16-row block, Q K^T, the softmax and P V back to back, so that the
-// block's K and V panels stay in L1 for the next row block and its scores and probabilities take
-// one row block's room (measured: with every row block's scores at once, 256 keys, K and V came
-// from L2 for each row block and the tile products ran at a third of their L1 rate).
+// block of kAmxBlock keys, per 16-row block, Q K^T, the softmax and P V back to back: the scores
+// and probabilities take one row block's room (12 KB), leaving L1 to the block's K and V panels,
+// which the next row block reads again. (Every row block's Q K^T, then all rows' softmax, then
+// every row block's P V ran as fast, within the shared machine's noise; issuing the tile work of
+// the next and previous row blocks between this one's softmax rows, so that the tile unit and the
+// vector units overlap, ran no faster, mostly 10-40% slower.)
 void attend_tile_amx(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_stride, const Chunk& c, int64_t h,
                      int64_t i0, int64_t nq, int64_t group, int64_t heads, int64_t d, const Bits* k_packed,
                      const Bits* v_packed, float scale, int64_t window, float soft_cap, WorkspaceAmx& ws) {
