@@ -12,13 +12,17 @@
 // cross a row's causal or window edge, the online softmax, then O = O * alpha + P V by register
 // tiles (6 rows x 16 dims; on AVX-512, 6 rows x 64 keys and 6 rows x 64 dims of 512-bit vectors).
 // Float32 math; bf16 caches are widened while packing, except on builds with AVX512-BF16, where
-// bf16 steps keep bf16 panels and multiply them on AMX tiles (the amx variant) or by vdpbf16ps,
-// with the roundings of torch's CPU flash attention for reduced types (the bf16 path below).
+// bf16 steps keep bf16 panels and multiply them on AMX tiles (the amx variant: blocks of 128
+// keys, Q K^T, softmax and P V per 16-row block, attend_tile_amx) or by vdpbf16ps, with the
+// roundings of torch's CPU flash attention for reduced types (the bf16 path below).
 //
-// Measured (bench/kernels/prefill_attention_kernel.py, 2-core Xeon with AMX, the default model's
-// 9 / 3 heads of 64): bf16 on AMX against the gather + SDPA path, one thread, process CPU time:
-// a 1,000-token prompt 4.6 vs 8.0 ms per layer, a 2,048-token chunk after 4,096 cached tokens
-// 55.7 vs 97.9 ms, 8 x 256 tokens 3.8 vs 6.8 ms. The vdpbf16ps tiles ran at 0.5-0.9x that SDPA
+// Measured (bench/kernels/prefill_attention_kernel.py --threads 1 --cpu-time, 2-core Xeon with
+// AMX, the default model's 9 / 3 heads of 64, under other load): bf16 on AMX against the gather +
+// SDPA path: a 1,000-token prompt 3.3 vs 5.4-5.7 ms per layer, 8 prompts / 2,048 tokens 3.0-3.1
+// vs 5.1-5.3 ms, a 4,096-token prompt's two 2,048-token chunks 37-42 vs 93-96 ms, a 6,144-token
+// prompt's three 77-108 vs 202-208 ms. Against the 64-key-tile AMX kernel before (alternated in
+// one process, 2026-12-05): 1.2x on a 1,024-token prompt, 1.35x on a 2,048-token one, 1.2-1.5x
+// on a 2,048-token chunk after 4,096 cached. The vdpbf16ps tiles ran at 0.5-0.9x that SDPA
 // (torch's AMX flash attention), so Python keeps SDPA where there is no AMX. float32, 512-bit
 // tiles against the AVX2 ones, alternated in one process: 1.22-1.28x (a 1,024-token prompt 12.5
 // vs 16.1 ms, 8 prompts / 2,048 tokens 9.5 vs 11.7 ms).
