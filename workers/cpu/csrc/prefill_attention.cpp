@@ -17,12 +17,14 @@
 // roundings of torch's CPU flash attention for reduced types (the bf16 path below).
 //
 // Measured (bench/kernels/prefill_attention_kernel.py --threads 1 --cpu-time, 2-core Xeon with
-// AMX, the default model's 9 / 3 heads of 64, under other load): bf16 on AMX against the gather +
-// SDPA path: a 1,000-token prompt 3.3 vs 5.4-5.7 ms per layer, 8 prompts / 2,048 tokens 3.0-3.1
-// vs 5.1-5.3 ms, a 4,096-token prompt's two 2,048-token chunks 37-42 vs 93-96 ms, a 6,144-token
-// prompt's three 77-108 vs 202-208 ms. Against the 64-key-tile AMX kernel before (alternated in
-// one process, 2026-12-05): 1.2x on a 1,024-token prompt, 1.35x on a 2,048-token one, 1.2-1.5x
-// on a 2,048-token chunk after 4,096 cached. The vdpbf16ps tiles ran at 0.5-0.9x that SDPA
+// AMX, the default model's 9 / 3 heads of 64, 2026-12-05, two rounds alternated with the 64-key-
+// tile kernel before): bf16 on AMX against the gather + SDPA path: a 1,000-token prompt 2.7-3.6
+// vs 4.9-5.4 ms per layer (before: 3.3-3.4), a 4,096-token prompt's two 2,048-token chunks 33-38
+// vs 82-90 ms (before: 47-52), a 6,144-token prompt's three 75-85 vs 189-203 ms (before:
+// 113-117). In one process, alternated with the kernel before: 1.2x on a 1,024-token prompt,
+// 1.45-1.55x on a 2,048-token one and on a 2,048-token chunk after 2,048 cached; in-process time
+// to first token of a 4,096-token prompt (LLMEngine, 2 threads) 1.35-1.40 s vs 1.56-1.64 s, of a
+// 6,144-token one 2.59-2.73 vs 3.09-3.29 s. The vdpbf16ps tiles ran at 0.5-0.9x that SDPA
 // (torch's AMX flash attention), so Python keeps SDPA where there is no AMX. float32, 512-bit
 // tiles against the AVX2 ones, alternated in one process: 1.22-1.28x (a 1,024-token prompt 12.5
 // vs 16.1 ms, 8 prompts / 2,048 tokens 9.5 vs 11.7 ms).
