@@ -319,3 +319,27 @@ def test_bf16_tiles_are_built_where_the_cpu_has_them():
     assert cpu_ops.ops().prefill_attention_bf16_path() == expected
     assert prefill_kernel_serves(torch.bfloat16) == (expected == "amx")
     assert prefill_kernel_serves(torch.float32)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (64, 4, 4), (128, 8, 1), (48, 6, 2)],
+                         ids=["d64-g3", "d64-g1", "d128-g8", "d48-g3-vdpbf16ps"])
+def test_bf16_kernel_rescales_rows_whose_max_jumps_late(head_dim, heads, kv_heads):
+    """The bf16 softmax keeps each row's reference max until a key block's max passes it by more
+    than 2^8 (lazy rescale): keys scaled 4x and 12x at a few late positions make the scores of
+    later blocks jump by far more than that (rows rescale their sums and accumulators mid-prompt,
+    some twice), and blocks before them underflow against the new max. Against exact attention."""
+    chunks = [(700, 700), (150, 1400), (37, 37)]
+    q, k, v, k_cache, v_cache, meta = _step(torch.bfloat16, heads, kv_heads, head_dim, chunks)
+    m = meta(True)
+    for chunk in m.prefills[:2]:
+        rows = k_cache[chunk.block_table].view(-1, kv_heads, head_dim)  # a copy: write it back below
+        for position, factor in ((300, 4.0), (333, 12.0), (1100, 12.0)):
+            if position < chunk.context_len - chunk.query_len:  # a cached key (the step writes its own)
+                rows[position] *= factor
+        k_cache[chunk.block_table] = rows.view(-1, BLOCK_SIZE, kv_heads, head_dim)
+    for start, position, factor in ((0, 300, 4.0), (0, 333, 12.0)):  # the first chunk's own keys
+        k[start + position] *= factor
+    scale = head_dim ** -0.5
+    out = KERNELS.attention(q, k, v, k_cache, v_cache, m, scale)  # writes k, v into the caches
+    exact = _exact_attention(q, k_cache, v_cache, m.prefills, scale)
+    _assert_near_exact_bf16(out.view(q.shape), exact, v_cache)

@@ -8,6 +8,7 @@ layer as the layer loop makes it, the two alternated, median of `--repeats` call
     .venv/bin/python -m bench.kernels.prefill_attention_kernel                    # 8 prompts, 2,048 tokens
     .venv/bin/python -m bench.kernels.prefill_attention_kernel --prompts 1000     # one 1,000-token prompt
     .venv/bin/python -m bench.kernels.prefill_attention_kernel --dtype bfloat16 --long 1024,4096,6144
+    .venv/bin/python -m bench.kernels.prefill_attention_kernel --dtype bfloat16 --threads 1 --cpu-time  # one core's time
 
 `--long` times single prompts as the engine prefills them: chunks of `--chunk` tokens (the step
 budget, 2,048), each chunk after the first attending to the context cached before it; one line
@@ -93,7 +94,7 @@ def causal_flops(chunks: list[tuple[int, int]], heads: int, head_dim: int) -> fl
     return sum(4 * heads * head_dim * (n * (context - n) + n * (n + 1) / 2) for n, context in chunks)
 
 
-def time_both(step: Step, repeats: int) -> dict:
+def time_both(step: Step, repeats: int, clock=time.perf_counter) -> dict:
     from workers.attention.paged import _sdpa_prefills
 
     q, scale = step.q, step.q.size(-1) ** -0.5
@@ -111,10 +112,10 @@ def time_both(step: Step, repeats: int) -> dict:
     times = {"kernel": [], "sdpa": []}
     for repeat in range(repeats + 1):  # the first call of each is a warm-up
         for name, fn in ((("kernel", kernel), ("sdpa", sdpa)) if repeat % 2 else (("sdpa", sdpa), ("kernel", kernel))):
-            start = time.perf_counter()
+            start = clock()
             fn()
             if repeat:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {name: {"median": statistics.median(ts), "min": min(ts), "max": max(ts)} for name, ts in times.items()}
 
 
@@ -140,7 +141,7 @@ def run_long(prompt_len: int, args, dtype: torch.dtype) -> list[dict]:
     rows, sums = [], {"kernel": 0.0, "sdpa": 0.0}
     steps = long_prompt_chunks(prompt_len, args.chunk)
     for i, chunks in enumerate(steps):
-        best = time_both(make_step(chunks, args.heads, args.kv_heads, args.head_dim, dtype), args.repeats)
+        best = time_both(make_step(chunks, args.heads, args.kv_heads, args.head_dim, dtype), args.repeats, args.clock)
         rows.append(report(f"{prompt_len}-token prompt, chunk {i + 1}/{len(steps)}", chunks, best, args.heads,
                            args.head_dim, args.layers))
         for name in sums:
@@ -164,7 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=30, help="layers per model (model_ms = per_layer_ms x layers)")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time by the process's CPU time, not wall time (a shared machine: other processes' "
+                        "load stretches wall time; with --threads 1 it is the kernel's own time)")
     args = p.parse_args(argv)
+    args.clock = time.process_time if args.cpu_time else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from workers.cpu import kernels as cpu_ops
 
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row))
         return 0
     chunks = [(int(n), int(n)) for n in args.prompts.split(",")]
-    best = time_both(make_step(chunks, args.heads, args.kv_heads, args.head_dim, dtype), args.repeats)
+    best = time_both(make_step(chunks, args.heads, args.kv_heads, args.head_dim, dtype), args.repeats, args.clock)
     print(json.dumps(report(f"{len(chunks)} prompts in one step", chunks, best, args.heads, args.head_dim,
                             args.layers)))
     return 0

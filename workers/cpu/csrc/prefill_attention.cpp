@@ -12,13 +12,19 @@
 // cross a row's causal or window edge, the online softmax, then O = O * alpha + P V by register
 // tiles (6 rows x 16 dims; on AVX-512, 6 rows x 64 keys and 6 rows x 64 dims of 512-bit vectors).
 // Float32 math; bf16 caches are widened while packing, except on builds with AVX512-BF16, where
-// bf16 steps keep bf16 panels and multiply them on AMX tiles (the amx variant) or by vdpbf16ps,
-// with the roundings of torch's CPU flash attention for reduced types (the bf16 path below).
+// bf16 steps keep bf16 panels and multiply them on AMX tiles (the amx variant: blocks of 128
+// keys, Q K^T, softmax and P V per 16-row block, attend_tile_amx) or by vdpbf16ps, with the
+// roundings of torch's CPU flash attention for reduced types (the bf16 path below).
 //
-// Measured (bench/kernels/prefill_attention_kernel.py, 2-core Xeon with AMX, the default model's
-// 9 / 3 heads of 64): bf16 on AMX against the gather + SDPA path, one thread, process CPU time:
-// a 1,000-token prompt 4.6 vs 8.0 ms per layer, a 2,048-token chunk after 4,096 cached tokens
-// 55.7 vs 97.9 ms, 8 x 256 tokens 3.8 vs 6.8 ms. The vdpbf16ps tiles ran at 0.5-0.9x that SDPA
+// Measured (bench/kernels/prefill_attention_kernel.py --threads 1 --cpu-time, 2-core Xeon with
+// AMX, the default model's 9 / 3 heads of 64, 2026-12-05, two rounds alternated with the 64-key-
+// tile kernel before): bf16 on AMX against the gather + SDPA path: a 1,000-token prompt 2.7-3.6
+// vs 4.9-5.4 ms per layer (before: 3.3-3.4), a 4,096-token prompt's two 2,048-token chunks 33-38
+// vs 82-90 ms (before: 47-52), a 6,144-token prompt's three 75-85 vs 189-203 ms (before:
+// 113-117). In one process, alternated with the kernel before: 1.2x on a 1,024-token prompt,
+// 1.45-1.55x on a 2,048-token one and on a 2,048-token chunk after 2,048 cached; in-process time
+// to first token of a 4,096-token prompt (LLMEngine, 2 threads) 1.35-1.40 s vs 1.56-1.64 s, of a
+// 6,144-token one 2.59-2.73 vs 3.09-3.29 s. The vdpbf16ps tiles ran at 0.5-0.9x that SDPA
 // (torch's AMX flash attention), so Python keeps SDPA where there is no AMX. float32, 512-bit
 // tiles against the AVX2 ones, alternated in one process: 1.22-1.28x (a 1,024-token prompt 12.5
 // vs 16.1 ms, 8 prompts / 2,048 tokens 9.5 vs 11.7 ms).
@@ -63,6 +69,36 @@ struct Workspace {
   std::vector<float> l;      // [R] running sum of each row's exp(score - max)
   std::vector<float> alpha;  // [R] this tile's rescale of each row's earlier sums
 };
+
+// Calls f(std::integral_constant<int, RB>{}, r) over rows [0, rows): blocks of the widest register
+// tile (6 rows), then one call for the 1-5 rows left. Every register-tile kernel below walks its
+// rows this way.
+template <typename F>
+inline void by_row_blocks(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + 6 <= rows; r += 6) f(std::integral_constant<int, 6>{}, r);
+  switch (rows - r) {
+    case 5: f(std::integral_constant<int, 5>{}, r); break;
+    case 4: f(std::integral_constant<int, 4>{}, r); break;
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
+// Calls f(std::integral_constant<int, NP>{}) for the NP = nk / kPanel panels of a key tile (1-4).
+template <typename F>
+inline void by_panel_count(int64_t nk, F&& f) {
+  static_assert(kKeyTile == 4 * kPanel, "a key tile is at most four panels");
+  switch (nk / kPanel) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
 
 #if defined(TPSERVE_AVX2)
 // s[r][0..16) = q[r] . keys of one panel, for RB rows. q rows [D] at stride d, panel [D][16].
@@ -118,38 +154,20 @@ inline void pv_rows(float* o, const float* p, int64_t p_stride, const float* alp
   }
 }
 
-// The register tiles over all rows: blocks of the widest tile, then one call for the rest.
+// The register tiles over all rows.
 inline void qk_tile(float* s, const float* q, const float* panels, int64_t rows, int64_t nk, int64_t d) {
-  for (int64_t p = 0; p < nk / kPanel; ++p) {
-    const float* panel = panels + p * d * kPanel;
-    float* sp = s + p * kPanel;
-    int64_t r = 0;
-    for (; r + 6 <= rows; r += 6) qk_rows<6>(sp + r * kKeyTile, kKeyTile, q + r * d, panel, d);
-    switch (rows - r) {
-      case 5: qk_rows<5>(sp + r * kKeyTile, kKeyTile, q + r * d, panel, d); break;
-      case 4: qk_rows<4>(sp + r * kKeyTile, kKeyTile, q + r * d, panel, d); break;
-      case 3: qk_rows<3>(sp + r * kKeyTile, kKeyTile, q + r * d, panel, d); break;
-      case 2: qk_rows<2>(sp + r * kKeyTile, kKeyTile, q + r * d, panel, d); break;
-      case 1: qk_rows<1>(sp + r * kKeyTile, kKeyTile, q + r * d, panel, d); break;
-      default: break;
-    }
-  }
+  for (int64_t p = 0; p < nk / kPanel; ++p)
+    by_row_blocks(rows, [&](auto rb, int64_t r) {
+      qk_rows<rb>(s + p * kPanel + r * kKeyTile, kKeyTile, q + r * d, panels + p * d * kPanel, d);
+    });
 }
 
 inline void pv_tile(float* o, const float* p, const float* alpha, const float* v, int64_t rows, int64_t nk,
                     int64_t d) {
-  for (int64_t c = 0; c < d; c += 16) {
-    int64_t r = 0;
-    for (; r + 6 <= rows; r += 6) pv_rows<6>(o + r * d, p + r * kKeyTile, kKeyTile, alpha + r, v, nk, d, c);
-    switch (rows - r) {
-      case 5: pv_rows<5>(o + r * d, p + r * kKeyTile, kKeyTile, alpha + r, v, nk, d, c); break;
-      case 4: pv_rows<4>(o + r * d, p + r * kKeyTile, kKeyTile, alpha + r, v, nk, d, c); break;
-      case 3: pv_rows<3>(o + r * d, p + r * kKeyTile, kKeyTile, alpha + r, v, nk, d, c); break;
-      case 2: pv_rows<2>(o + r * d, p + r * kKeyTile, kKeyTile, alpha + r, v, nk, d, c); break;
-      case 1: pv_rows<1>(o + r * d, p + r * kKeyTile, kKeyTile, alpha + r, v, nk, d, c); break;
-      default: break;
-    }
-  }
+  for (int64_t c = 0; c < d; c += 16)
+    by_row_blocks(rows, [&](auto rb, int64_t r) {
+      pv_rows<rb>(o + r * d, p + r * kKeyTile, kKeyTile, alpha + r, v, nk, d, c);
+    });
 }
 #endif  // TPSERVE_AVX2
 
@@ -184,30 +202,10 @@ inline void qk_rows512(float* s, const float* q, const float* panels, int64_t d)
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(s + r * kKeyTile + p * kPanel, acc[r][p]);
 }
 
-template <int NP>
-inline void qk_panels512(float* s, const float* q, const float* panels, int64_t rows, int64_t d) {
-  int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) qk_rows512<6, NP>(s + r * kKeyTile, q + r * d, panels, d);
-  float* sr = s + r * kKeyTile;
-  const float* qr = q + r * d;
-  switch (rows - r) {
-    case 5: qk_rows512<5, NP>(sr, qr, panels, d); break;
-    case 4: qk_rows512<4, NP>(sr, qr, panels, d); break;
-    case 3: qk_rows512<3, NP>(sr, qr, panels, d); break;
-    case 2: qk_rows512<2, NP>(sr, qr, panels, d); break;
-    case 1: qk_rows512<1, NP>(sr, qr, panels, d); break;
-    default: break;
-  }
-}
-
 inline void qk_tile512(float* s, const float* q, const float* panels, int64_t rows, int64_t nk, int64_t d) {
-  switch (nk / kPanel) {
-    case 4: qk_panels512<4>(s, q, panels, rows, d); break;
-    case 3: qk_panels512<3>(s, q, panels, rows, d); break;
-    case 2: qk_panels512<2>(s, q, panels, rows, d); break;
-    case 1: qk_panels512<1>(s, q, panels, rows, d); break;
-    default: break;
-  }
+  by_panel_count(nk, [&](auto np) {
+    by_row_blocks(rows, [&](auto rb, int64_t r) { qk_rows512<rb, np>(s + r * kKeyTile, q + r * d, panels, d); });
+  });
 }
 
 template <int RB, int CV>
@@ -237,28 +235,17 @@ inline void pv_rows512(float* o, const float* p, const float* alpha, const float
     for (int x = 0; x < CV; ++x) _mm512_storeu_ps(o + r * d + c + 16 * x, acc[r][x]);
 }
 
-template <int CV>
-inline void pv_slice512(float* o, const float* p, const float* alpha, const float* v, int64_t rows, int64_t nk,
-                        int64_t d, int64_t c) {
-  int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) pv_rows512<6, CV>(o + r * d, p + r * kKeyTile, alpha + r, v, nk, d, c);
-  float* orow = o + r * d;
-  const float* pr = p + r * kKeyTile;
-  switch (rows - r) {
-    case 5: pv_rows512<5, CV>(orow, pr, alpha + r, v, nk, d, c); break;
-    case 4: pv_rows512<4, CV>(orow, pr, alpha + r, v, nk, d, c); break;
-    case 3: pv_rows512<3, CV>(orow, pr, alpha + r, v, nk, d, c); break;
-    case 2: pv_rows512<2, CV>(orow, pr, alpha + r, v, nk, d, c); break;
-    case 1: pv_rows512<1, CV>(orow, pr, alpha + r, v, nk, d, c); break;
-    default: break;
-  }
-}
-
+// The value sum over all rows: 64-dim slices, then 16-dim ones.
 inline void pv_tile512(float* o, const float* p, const float* alpha, const float* v, int64_t rows, int64_t nk,
                        int64_t d) {
   int64_t c = 0;
-  for (; c + 64 <= d; c += 64) pv_slice512<4>(o, p, alpha, v, rows, nk, d, c);
-  for (; c < d; c += 16) pv_slice512<1>(o, p, alpha, v, rows, nk, d, c);
+  auto slice = [&](auto cv) {
+    by_row_blocks(rows, [&](auto rb, int64_t r) {
+      pv_rows512<rb, cv>(o + r * d, p + r * kKeyTile, alpha + r, v, nk, d, c);
+    });
+  };
+  for (; c + 64 <= d; c += 64) slice(std::integral_constant<int, 4>{});
+  for (; c < d; c += 16) slice(std::integral_constant<int, 1>{});
 }
 #endif  // __AVX512F__
 
@@ -458,7 +445,9 @@ void pack_panel(float* k_dst, float* v_dst, const T* k_cache, const T* v_cache, 
 // The roundings are those of torch's CPU flash attention for reduced types (what HF's SDPA runs
 // on CPU): scores in float32 from bf16 q and k, times the scale in float32, a float32 softmax with
 // float32 row sums, the probabilities rounded to bf16 for P V only, float32 output accumulators
-// divided by the row sum and rounded to bf16 once.
+// divided by the row sum and rounded to bf16 once. (The float32 exp is computed as 2^x with the
+// scale and log2 e folded into one factor, to 2 ulp, against a row max that may lag the true one
+// by up to 2^8 (kLazyRescale); probabilities below 2^-126 are 0, as torch's exp makes them.)
 #define TPSERVE_PREFILL_BF16 1
 
 // bf16 values as their bits (the packed panels copy the cache's bits).
@@ -498,47 +487,23 @@ inline void qk_rows_bf16(float* s, const Bits* q, const Bits* panels, int64_t d)
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(s + r * kKeyTile + p * kPanel, acc[r][p]);
 }
 
-template <int NP>
-inline void qk_panels_bf16(float* s, const Bits* q, const Bits* panels, int64_t rows, int64_t d) {
-  int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) qk_rows_bf16<6, NP>(s + r * kKeyTile, q + r * d, panels, d);
-  float* sr = s + r * kKeyTile;
-  const Bits* qr = q + r * d;
-  switch (rows - r) {
-    case 5: qk_rows_bf16<5, NP>(sr, qr, panels, d); break;
-    case 4: qk_rows_bf16<4, NP>(sr, qr, panels, d); break;
-    case 3: qk_rows_bf16<3, NP>(sr, qr, panels, d); break;
-    case 2: qk_rows_bf16<2, NP>(sr, qr, panels, d); break;
-    case 1: qk_rows_bf16<1, NP>(sr, qr, panels, d); break;
-    default: break;
-  }
-}
-
 // Scores of all rows against nk keys (a multiple of kPanel, at most kKeyTile) of packed panels.
 inline void qk_tile_bf16(float* s, const Bits* q, const Bits* panels, int64_t rows, int64_t nk, int64_t d) {
-  static_assert(kKeyTile == 4 * kPanel, "a key tile is at most four panels");
-  switch (nk / kPanel) {
-    case 4: qk_panels_bf16<4>(s, q, panels, rows, d); break;
-    case 3: qk_panels_bf16<3>(s, q, panels, rows, d); break;
-    case 2: qk_panels_bf16<2>(s, q, panels, rows, d); break;
-    case 1: qk_panels_bf16<1>(s, q, panels, rows, d); break;
-    default: break;
-  }
+  by_panel_count(nk, [&](auto np) {
+    by_row_blocks(rows, [&](auto rb, int64_t r) { qk_rows_bf16<rb, np>(s + r * kKeyTile, q + r * d, panels, d); });
+  });
 }
 
-// o[r][c..c+16CV) = o[r][c..c+16CV) * alpha[r] + sum_j p[r][j] v[j][c..c+16CV), for RB rows and
+// o[r][c..c+16CV) += sum_j p[r][j] v[j][c..c+16CV), for RB rows and
 // nk keys (even). p: bf16 rows at stride kKeyTile; v: key pairs of [D][2]. 6 rows x 4 vectors:
 // 24 accumulators + 4 value vectors.
 template <int RB, int CV>
-inline void pv_rows_bf16(float* o, const Bits* p, const float* alpha, const Bits* v, int64_t nk, int64_t d,
-                         int64_t c) {
+inline void pv_rows_bf16(float* o, const Bits* p, const Bits* v, int64_t nk, int64_t d, int64_t c) {
   __m512 acc[RB][CV];
 #pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
-    const __m512 a = _mm512_set1_ps(alpha[r]);
+  for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
-    for (int x = 0; x < CV; ++x) acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + c + 16 * x), a);
-  }
+    for (int x = 0; x < CV; ++x) acc[r][x] = _mm512_loadu_ps(o + r * d + c + 16 * x);
   for (int64_t t = 0; t < nk / 2; ++t) {
     __m512bh vv[CV];
 #pragma GCC unroll 4
@@ -556,111 +521,180 @@ inline void pv_rows_bf16(float* o, const Bits* p, const float* alpha, const Bits
     for (int x = 0; x < CV; ++x) _mm512_storeu_ps(o + r * d + c + 16 * x, acc[r][x]);
 }
 
-template <int CV>
-inline void pv_slice_bf16(float* o, const Bits* p, const float* alpha, const Bits* v, int64_t rows, int64_t nk,
-                          int64_t d, int64_t c) {
-  int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) pv_rows_bf16<6, CV>(o + r * d, p + r * kKeyTile, alpha + r, v, nk, d, c);
-  float* orow = o + r * d;
-  const Bits* pr = p + r * kKeyTile;
-  switch (rows - r) {
-    case 5: pv_rows_bf16<5, CV>(orow, pr, alpha + r, v, nk, d, c); break;
-    case 4: pv_rows_bf16<4, CV>(orow, pr, alpha + r, v, nk, d, c); break;
-    case 3: pv_rows_bf16<3, CV>(orow, pr, alpha + r, v, nk, d, c); break;
-    case 2: pv_rows_bf16<2, CV>(orow, pr, alpha + r, v, nk, d, c); break;
-    case 1: pv_rows_bf16<1, CV>(orow, pr, alpha + r, v, nk, d, c); break;
-    default: break;
-  }
-}
-
 // The value sum over all rows: 64-dim slices, then 16-dim ones (head_dim a multiple of 16).
-inline void pv_tile_bf16(float* o, const Bits* p, const float* alpha, const Bits* v, int64_t rows, int64_t nk,
-                         int64_t d) {
+inline void pv_tile_bf16(float* o, const Bits* p, const Bits* v, int64_t rows, int64_t nk, int64_t d) {
   int64_t c = 0;
-  for (; c + 64 <= d; c += 64) pv_slice_bf16<4>(o, p, alpha, v, rows, nk, d, c);
-  for (; c < d; c += 16) pv_slice_bf16<1>(o, p, alpha, v, rows, nk, d, c);
+  auto slice = [&](auto cv) {
+    by_row_blocks(rows, [&](auto rb, int64_t r) { pv_rows_bf16<rb, cv>(o + r * d, p + r * kKeyTile, v, nk, d, c); });
+  };
+  for (; c + 64 <= d; c += 64) slice(std::integral_constant<int, 4>{});
+  for (; c < d; c += 16) slice(std::integral_constant<int, 1>{});
 }
 
-// Per-thread buffers of one bf16 work item. Rows are padded to a multiple of kAmxRows (the AMX
-// tiles' height): padded rows are zero queries whose results are dropped.
-struct WorkspaceBf16 {
-  std::vector<Bits> q;       // [R, D] the tile's queries (bf16 bits, unscaled)
-  std::vector<float> o;      // [R, D] output accumulators, not yet divided by the row sums
-  std::vector<float> s;      // [R, kKeyTile] one key tile's scores
-  std::vector<Bits> p;       // [R, kKeyTile] their probabilities, rounded to bf16
-  std::vector<float> m;      // [R] running max of each row's scaled scores
-  std::vector<float> l;      // [R] running sum of each row's exp(score - max)
-  std::vector<float> alpha;  // [R] this tile's rescale of each row's earlier sums
-  std::vector<float> tile_max;  // [R] this tile's max scaled score of each row
-};
-
-// Rows of an AMX tile (A and C): a bf16 work item's rows are padded to a multiple of it.
+// Rows of an AMX tile (A and C): an AMX work item's rows are padded to a multiple of it.
 constexpr int64_t kAmxRows = 16;
 
-// The new running max and alpha of rows [0, rows), 16 rows per vector (not a libm exp per row):
-// m_new = max(m, tile max); alpha = exp(m - m_new), 0 for a row that had no visible key yet; a
-// row with every key of this tile masked keeps its max (alpha 1).
-inline void advance_row_maxima(WorkspaceBf16& ws, int64_t rows) {
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-  for (int64_t r = 0; r < rows; r += 16) {
-    const __mmask16 k = rows - r >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (rows - r)) - 1);
-    const __m512 m = _mm512_mask_loadu_ps(neg_inf, k, ws.m.data() + r);
-    const __m512 t = _mm512_mask_loadu_ps(neg_inf, k, ws.tile_max.data() + r);
-    const __m512 m_new = _mm512_max_ps(m, t);
-    __m512 alpha = exp512(_mm512_sub_ps(m, m_new));
-    alpha = _mm512_mask_mov_ps(alpha, _mm512_cmp_ps_mask(m, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
-    alpha = _mm512_mask_mov_ps(alpha, _mm512_cmp_ps_mask(t, neg_inf, _CMP_EQ_OQ), _mm512_set1_ps(1.f));
-    _mm512_mask_storeu_ps(ws.m.data() + r, k, m_new);
-    _mm512_mask_storeu_ps(ws.alpha.data() + r, k, alpha);
+// Per-thread buffers of one vdpbf16ps work item.
+struct WorkspaceBf16 {
+  std::vector<Bits> q;   // [R, D] the tile's queries (bf16 bits, unscaled)
+  std::vector<float> o;  // [R, D] output accumulators, not yet divided by the row sums
+  std::vector<float> s;  // [R, kKeyTile] one key tile's scores
+  std::vector<Bits> p;   // [R, kKeyTile] their probabilities, rounded to bf16
+  std::vector<float> m;  // [R] each row's reference max, in base-2 units (score x scale x log2 e)
+  std::vector<float> l;  // [R] running sum of each row's 2^(score x scale x log2 e - m)
+};
+
+// The softmax runs in base 2, e^x = 2^(x log2 e), the scale folded into the factor: one FMA per
+// score (score x scale log2 e - m) feeds exp2_512.
+constexpr float kLog2e = 1.44269504088896341f;
+
+// A row's reference max moves only when a block's max passes it by more than this many powers of
+// two (FlashAttention-4's lazy rescale): probabilities then reach at most 2^8, far inside float32
+// and bf16 range, and a row's accumulators are rescaled a few times per prompt, not at every block
+// whose max grows a little. Rounding is unchanged: bf16 keeps 8 bits relative to any reference.
+constexpr float kLazyRescale = 8.f;
+
+// 2^t on 16 floats: t = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial fitted (minimax, relative)
+// on [-1/2, 1/2], then scaled by 2^n (scalef). Relative error 2.3e-7 (2 ulp of fp32), as exp512's.
+// t = -inf gives NaN (f = -inf - -inf): callers clamp masked scores first (a large negative n
+// gives 0, flushed: attend_bf16 runs with flush-to-zero).
+inline __m512 exp2_512(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.327647129e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675541893e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212024e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000119f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row's probabilities over nk keys (a multiple of 16): p = 2^(s c - m) rounded to bf16 (two
+// vectors per convert), returning their float32 sum. Clamp: the block has masked (-inf) scores,
+// lifted to -256 so that exp2_512 never sees -inf (2^-256 flushes to 0: attend_bf16 runs with
+// flush-to-zero).
+template <bool Clamp>
+inline float exp_row_bf16(Bits* p, const float* s, int64_t nk, float c, float m) {
+  const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(m), floor = _mm512_set1_ps(-256.f);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= nk; j += 32) {
+    __m512 t0 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), cv, mv);
+    __m512 t1 = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), cv, mv);
+    if constexpr (Clamp) {
+      t0 = _mm512_max_ps(t0, floor);
+      t1 = _mm512_max_ps(t1, floor);
+    }
+    const __m512 e0 = exp2_512(t0), e1 = exp2_512(t1);
+    sum0 = _mm512_add_ps(sum0, e0);
+    sum1 = _mm512_add_ps(sum1, e1);
+    _mm512_storeu_si512(p + j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+  }
+  if (j < nk) {  // 16 keys left (the vdpbf16ps path's panels)
+    __m512 t = _mm512_fmsub_ps(_mm512_loadu_ps(s + j), cv, mv);
+    if constexpr (Clamp) t = _mm512_max_ps(t, floor);
+    const __m512 e = exp2_512(t);
+    sum0 = _mm512_add_ps(sum0, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+}
+
+// One row of the online softmax over one key block: nk scores sr (a multiple of 16) times the
+// scale (torch's order: scale, then cap and mask; without a cap the scale is folded into the
+// exponent's factor, scale > 0 commuting with the max), masked keys -inf, become probabilities
+// rounded to bf16 in pr (the row sum l adds them unrounded, as torch's flash attention does).
+// When the block's max passes the row's reference max m by more than kLazyRescale, m moves there
+// and l is rescaled; the return value is that factor, which the caller applies to the row's
+// accumulators (1: m held). A row with every key of the block masked keeps its state (p all 0).
+inline float softmax_row_bf16(float* sr, Bits* pr, int64_t nk, float scale, float soft_cap, bool masked, int64_t pos,
+                              int64_t k0, int64_t window, float& m, float& l) {
+  float c = scale * kLog2e;
+  if (soft_cap > 0.f) {  // the cap needs scaled scores
+    for (int64_t j = 0; j < nk; ++j) sr[j] *= scale;
+    c = kLog2e;
+  }
+  if (soft_cap > 0.f || masked) cap_and_mask_row(sr, nk, soft_cap, masked, pos, k0, window);
+  __m512 mx0 = _mm512_loadu_ps(sr), mx1 = mx0;
+  int64_t j = 16;
+  for (; j + 32 <= nk; j += 32) {
+    mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sr + j));
+    mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(sr + j + 16));
+  }
+  if (j < nk) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(sr + j));
+  const __m512 mx = _mm512_max_ps(mx0, mx1);
+  float alpha = 1.f;
+  // The horizontal max only where m may move: a row's first visible block (m -inf), or a lane
+  // past m + kLazyRescale. (A block wholly masked after m is set needs no test: its -inf
+  // scores are clamped and flushed to 0 below.)
+  if (m == -INFINITY ||
+      _mm512_cmp_ps_mask(_mm512_mul_ps(mx, _mm512_set1_ps(c)), _mm512_set1_ps(m + kLazyRescale), _CMP_GT_OQ)) {
+    const float block_max = _mm512_reduce_max_ps(mx);
+    if (block_max == -INFINITY) {  // no visible key yet
+      std::fill(pr, pr + nk, Bits{0});
+      return 1.f;
+    }
+    const float m_block = block_max * c;
+    if (m != -INFINITY) {
+      alpha = std::exp2(m - m_block);
+      l *= alpha;
+    }
+    m = m_block;
+  }
+  l += masked ? exp_row_bf16<true>(pr, sr, nk, c, m) : exp_row_bf16<false>(pr, sr, nk, c, m);
+  return alpha;
+}
+
+// o[0..d) *= alpha (nothing to do where alpha is 1, the common case).
+inline void rescale_row(float* o, float alpha, int64_t d) {
+  if (alpha == 1.f) return;
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int64_t x = 0; x < d; x += 16) _mm512_storeu_ps(o + x, _mm512_mul_ps(_mm512_loadu_ps(o + x), a));
+}
+
+// A bf16 work item's output rows: o / l, rounded to bf16 once.
+inline void store_rows_bf16(c10::BFloat16* out, const float* o, const float* l, const Chunk& c, int64_t h,
+                            int64_t i0, int64_t rows, int64_t group, int64_t heads, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    c10::BFloat16* dst = out + (c.query_start + i0 + r / group) * heads * d + (h * group + r % group) * d;
+    for (int64_t x = 0; x < d; x += 16) store16(dst + x, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + x), inv));
   }
 }
 
-// The online softmax of one key tile for rows [0, rows), 16 lanes at a time (nk a multiple of
-// 16): scores s times the scale (torch's order: scale, then cap and mask; the scale is folded
-// into the exp's argument when there is no cap, scale > 0 commuting with the max), masked keys
-// -inf, become probabilities rounded to bf16 in ws.p (the row sum l adds them unrounded, as
-// torch's flash attention does); alpha gets each row's factor on its earlier sums. A row with
-// every key of the tile masked keeps its state (alpha 1, p all 0).
-inline void softmax_rows_bf16(WorkspaceBf16& ws, int64_t rows, int64_t nk, float scale, float soft_cap, bool masked,
-                              int64_t first_pos, int64_t group, int64_t k0, int64_t window) {
-  if (soft_cap > 0.f || masked) {
-    const float pre_scale = soft_cap > 0.f ? scale : 1.f;  // the cap needs scaled scores
+// attend_tile's bf16 form on vdpbf16ps register tiles (head_dim a multiple of 16): the same work
+// item, key range, masks and online softmax, on bf16 panels, in key tiles of kKeyTile.
+void attend_tile_bf16(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_stride, const Chunk& c, int64_t h,
+                      int64_t i0, int64_t nq, int64_t group, int64_t heads, int64_t d, const Bits* k_packed,
+                      const Bits* v_packed, float scale, int64_t window, float soft_cap, WorkspaceBf16& ws) {
+  const int64_t rows = nq * group;
+  ws.q.resize(rows * d);
+  ws.o.assign(rows * d, 0.f);
+  ws.s.resize(rows * kKeyTile);
+  ws.p.resize(rows * kKeyTile);
+  ws.m.assign(rows, -INFINITY);
+  ws.l.assign(rows, 0.f);
+  const int64_t first_pos = c.context_len - c.query_len + i0;
+  const int64_t last_pos = first_pos + nq - 1;
+  for (int64_t i = 0; i < nq; ++i)  // the G heads of one token are adjacent rows of q
+    std::memcpy(ws.q.data() + i * group * d, q + (c.query_start + i0 + i) * q_stride + h * group * d,
+                group * d * sizeof(Bits));
+  const Bits* kh = k_packed + c.pack_offset + h * c.packed_keys * d;
+  const Bits* vh = v_packed + c.pack_offset + h * c.packed_keys * d;
+  const KeyRange keys = visible_keys(c, first_pos, last_pos, window);
+  for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kKeyTile) {
+    const int64_t nk = std::min(kKeyTile, keys.end - k0);
+    qk_tile_bf16(ws.s.data(), ws.q.data(), kh + (k0 - c.key_lo) * d, rows, nk, d);
+    const bool masked = tile_crosses_an_edge(k0, nk, first_pos, last_pos, window);
     for (int64_t r = 0; r < rows; ++r) {
-      float* sr = ws.s.data() + r * kKeyTile;
-      if (pre_scale != 1.f)
-        for (int64_t j = 0; j < nk; ++j) sr[j] *= pre_scale;
-      cap_and_mask_row(sr, nk, soft_cap, masked, first_pos + r / group, k0, window);
+      const float alpha = softmax_row_bf16(ws.s.data() + r * kKeyTile, ws.p.data() + r * kKeyTile, nk, scale,
+                                           soft_cap, masked, first_pos + r / group, k0, window, ws.m[r], ws.l[r]);
+      rescale_row(ws.o.data() + r * d, alpha, d);
     }
-    if (soft_cap > 0.f) scale = 1.f;
+    pv_tile_bf16(ws.o.data(), ws.p.data(), vh + (k0 - c.key_lo) * d, rows, nk, d);
   }
-  ws.tile_max.resize(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* sr = ws.s.data() + r * kKeyTile;
-    __m512 mx = _mm512_loadu_ps(sr);
-    for (int64_t j = 16; j < nk; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
-    ws.tile_max[r] = _mm512_reduce_max_ps(mx) * scale;
-  }
-  advance_row_maxima(ws, rows);
-  const __m512 sc = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* sr = ws.s.data() + r * kKeyTile;
-    Bits* pr = ws.p.data() + r * kKeyTile;
-    if (ws.tile_max[r] == -INFINITY) {
-      std::fill(pr, pr + nk, Bits{0});
-      continue;
-    }
-    const __m512 mv = _mm512_set1_ps(ws.m[r]);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nk; j += 16) {
-      const __m512 x = _mm512_loadu_ps(sr + j);
-      __m512 e = exp512(_mm512_fmsub_ps(x, sc, mv));
-      // exp512 clamps its input, so a masked key would weigh e^-104, not 0: zero it.
-      if (masked) e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ), e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-      sum = _mm512_add_ps(sum, e);
-    }
-    ws.l[r] = ws.l[r] * ws.alpha[r] + _mm512_reduce_add_ps(sum);
-  }
+  store_rows_bf16(out, ws.o.data(), ws.l.data(), c, h, i0, rows, group, heads, d);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -669,14 +703,21 @@ inline void softmax_rows_bf16(WorkspaceBf16& ws, int64_t rows, int64_t nk, float
 // (the layout the packed K panels and V pairs already have) into a 16 x 16 float32 C tile, 16x
 // the work of one vdpbf16ps: Q K^T is one row block of 16 q rows x 32 dims (A) times a panel's 16
 // dim pairs x 16 keys (B); P V one block of 16 probability rows x 32 keys (A) times 16 key pairs
-// x 16 dims (B). Keys are tiled in runs of 32 (kAmxKeys), the depth of one product.
+// x 16 dims (B). Keys are packed in runs of 32 (kAmxKeys), the depth of one product.
 #define TPSERVE_PREFILL_AMX 1
 constexpr int64_t kAmxKeys = 32;
 
+// Keys per softmax step on AMX: each row's max, horizontal sums and reference-max check, and each
+// row block's accumulator tile loads and stores, happen once per block. 128: the block's K and V
+// panels (16 KB each) and one row block's scores and probabilities (12 KB) fit L1 together, so
+// the work item's later row blocks read K and V from L1 (measured against 64, 96 and 256 keys:
+// each 4-12% slower on a 2,048-token chunk after 4,096 cached).
+constexpr int64_t kAmxBlock = 128;
+
 using tpserve::amx_usable;
 
-// Palette 1, every tile 16 rows x 64 bytes: tmm0-3 C, tmm4 A, tmm5-6 B (alternated, so a load
-// need not wait for the product before it to read its tile).
+// Palette 1, every tile 16 rows x 64 bytes: tmm0-3 C, tmm4 and tmm7 A, tmm5-6 B (alternated, so
+// a load need not wait for the product before it to read its tile).
 struct alignas(64) AmxConfig {
   uint8_t palette_id = 1;
   uint8_t start_row = 0;
@@ -687,7 +728,7 @@ struct alignas(64) AmxConfig {
 
 inline void configure_amx() {
   AmxConfig cfg;
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = kAmxRows;
     cfg.colsb[t] = 64;
   }
@@ -697,44 +738,96 @@ inline void configure_amx() {
   _tile_loadconfig(&cfg);
 }
 
-// Scores of one 16-row block against nk keys (32 or 64: 2 or 4 panels) into s (stride kKeyTile).
-// (GCC's tile intrinsics take literal tile numbers.)
-inline void qk_block_amx(float* s, const Bits* q, const Bits* panels, int64_t nk, int64_t d) {
-  const bool four = nk > kAmxKeys;
-  _tile_zero(0);
-  _tile_zero(1);
-  if (four) {
+// Scores of one 16-row block against nk keys (a multiple of 32) into s (row stride ld floats).
+// head_dim 32 or 64: the block's queries stay in A tiles 4 and 7 for all nk keys, and the keys go
+// 32 at a time into C tiles 0-1 and 2-3 alternately, so that one pair's stores overlap the other's
+// products. (A tile reloaded while products still read it stalls until they finish: 3x slower.)
+template <int X>
+inline void qk_resident_amx(float* s, int64_t ld, const Bits* q, const Bits* panels, int64_t nk) {
+  constexpr int64_t d = 32 * X, panel = d * kPanel;
+  const int64_t stride = ld * sizeof(float);
+  _tile_loadd(4, q, d * sizeof(Bits));
+  if constexpr (X == 2) _tile_loadd(7, q + 32, d * sizeof(Bits));
+  for (int64_t j = 0; j < nk; j += 64) {
+    const Bits* pj = panels + j * d;  // the panel of keys j..j+15: [D/2][16][2]
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(5, pj, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, pj + panel, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    if constexpr (X == 2) {
+      _tile_loadd(5, pj + 32 * kPanel, 64);  // dims 32..63
+      _tile_dpbf16ps(0, 7, 5);
+      _tile_loadd(6, pj + panel + 32 * kPanel, 64);
+      _tile_dpbf16ps(1, 7, 6);
+    }
+    _tile_stored(0, s + j, stride);
+    _tile_stored(1, s + j + 16, stride);
+    if (nk - j <= kAmxKeys) break;
+    const Bits* pk = pj + 2 * panel;
     _tile_zero(2);
     _tile_zero(3);
-  }
-  const int64_t panel = d * kPanel;  // elements per packed panel
-  for (int64_t x = 0; x < d; x += 32) {
-    _tile_loadd(4, q + x, d * sizeof(Bits));
-    const Bits* b = panels + x * kPanel;  // dim pairs x/2.. of the first panel
-    _tile_loadd(5, b, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, b + panel, 64);
-    _tile_dpbf16ps(1, 4, 6);
-    if (four) {
-      _tile_loadd(5, b + 2 * panel, 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(6, b + 3 * panel, 64);
-      _tile_dpbf16ps(3, 4, 6);
+    _tile_loadd(5, pk, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, pk + panel, 64);
+    _tile_dpbf16ps(3, 4, 6);
+    if constexpr (X == 2) {
+      _tile_loadd(5, pk + 32 * kPanel, 64);
+      _tile_dpbf16ps(2, 7, 5);
+      _tile_loadd(6, pk + panel + 32 * kPanel, 64);
+      _tile_dpbf16ps(3, 7, 6);
     }
-  }
-  constexpr int64_t stride = kKeyTile * sizeof(float);
-  _tile_stored(0, s, stride);
-  _tile_stored(1, s + 16, stride);
-  if (four) {
-    _tile_stored(2, s + 32, stride);
-    _tile_stored(3, s + 48, stride);
+    _tile_stored(2, s + j + 32, stride);
+    _tile_stored(3, s + j + 48, stride);
   }
 }
 
-// o += P V for one 16-row block: nk keys (32 or 64) of probabilities p (stride kKeyTile) times the
-// V pairs; o's rows (stride d) in 64-dim runs of four C tiles (head_dim a multiple of 32).
-inline void pv_block_amx(float* o, const Bits* p, const Bits* v, int64_t nk, int64_t d) {
-  const int64_t o_stride = d * sizeof(float), v_stride = 2 * d * sizeof(Bits);
+// The same for any head_dim a multiple of 32: 64 keys (four C tiles) at a time, the queries
+// reloaded per 32 dims (only tiles 4 and 7 are free for them).
+inline void qk_block_amx(float* s, int64_t ld, const Bits* q, const Bits* panels, int64_t nk, int64_t d) {
+  if (d == 64) return qk_resident_amx<2>(s, ld, q, panels, nk);
+  if (d == 32) return qk_resident_amx<1>(s, ld, q, panels, nk);
+  const int64_t panel = d * kPanel;  // elements per packed panel
+  const int64_t stride = ld * sizeof(float);
+  for (int64_t j = 0; j < nk; j += 64) {
+    const bool four = nk - j > kAmxKeys;
+    const Bits* pj = panels + j * d;  // the panel of keys j..j+15
+    _tile_zero(0);
+    _tile_zero(1);
+    if (four) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t x = 0; x < d; x += 32) {
+      _tile_loadd(4, q + x, d * sizeof(Bits));
+      const Bits* b = pj + x * kPanel;  // dim pairs x/2.. of the first panel
+      _tile_loadd(5, b, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b + panel, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      if (four) {
+        _tile_loadd(5, b + 2 * panel, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, b + 3 * panel, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+    }
+    _tile_stored(0, s + j, stride);
+    _tile_stored(1, s + j + 16, stride);
+    if (four) {
+      _tile_stored(2, s + j + 32, stride);
+      _tile_stored(3, s + j + 48, stride);
+    }
+  }
+}
+
+// o += P V for one 16-row block: nk keys (a multiple of 32) of probabilities p (row stride ld)
+// times the V pairs; o's rows (stride d) in 64-dim runs of four C tiles, loaded and stored once
+// per key block (head_dim a multiple of 32). The probabilities of alternate 32-key steps go to A
+// tiles 4 and 7, so a step's load need not wait for the products of the step before.
+inline void pv_block_amx(float* o, const Bits* p, int64_t ld, const Bits* v, int64_t nk, int64_t d) {
+  const int64_t o_stride = d * sizeof(float), v_stride = 2 * d * sizeof(Bits), p_stride = ld * sizeof(Bits);
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
     const bool four = d - c0 >= 64;
     _tile_loadd(0, o + c0, o_stride);
@@ -743,8 +836,8 @@ inline void pv_block_amx(float* o, const Bits* p, const Bits* v, int64_t nk, int
       _tile_loadd(2, o + c0 + 32, o_stride);
       _tile_loadd(3, o + c0 + 48, o_stride);
     }
-    for (int64_t k = 0; k < nk; k += kAmxKeys) {
-      _tile_loadd(4, p + k, kKeyTile * sizeof(Bits));
+    for (int64_t k = 0; k < nk; k += 2 * kAmxKeys) {
+      _tile_loadd(4, p + k, p_stride);
       const Bits* b = v + k * d + 2 * c0;  // key pairs k/2.., dims c0..
       _tile_loadd(5, b, v_stride);
       _tile_dpbf16ps(0, 4, 5);
@@ -756,6 +849,19 @@ inline void pv_block_amx(float* o, const Bits* p, const Bits* v, int64_t nk, int
         _tile_loadd(6, b + 96, v_stride);
         _tile_dpbf16ps(3, 4, 6);
       }
+      if (nk - k <= kAmxKeys) break;
+      _tile_loadd(7, p + k + kAmxKeys, p_stride);
+      b += kAmxKeys * d;  // the next 16 key pairs
+      _tile_loadd(5, b, v_stride);
+      _tile_dpbf16ps(0, 7, 5);
+      _tile_loadd(6, b + 32, v_stride);
+      _tile_dpbf16ps(1, 7, 6);
+      if (four) {
+        _tile_loadd(5, b + 64, v_stride);
+        _tile_dpbf16ps(2, 7, 5);
+        _tile_loadd(6, b + 96, v_stride);
+        _tile_dpbf16ps(3, 7, 6);
+      }
     }
     _tile_stored(0, o + c0, o_stride);
     _tile_stored(1, o + c0 + 16, o_stride);
@@ -765,23 +871,35 @@ inline void pv_block_amx(float* o, const Bits* p, const Bits* v, int64_t nk, int
     }
   }
 }
-#endif  // AMX
 
-// attend_tile's bf16 form: the same work item, key range, masks and online softmax, on bf16
-// panels: by AMX tiles (Amx: head_dim a multiple of 32, keys aligned to kAmxKeys) or vdpbf16ps
-// register tiles (head_dim a multiple of 16).
-template <bool Amx>
-void attend_tile_bf16(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_stride, const Chunk& c, int64_t h,
-                      int64_t i0, int64_t nq, int64_t group, int64_t heads, int64_t d, const Bits* k_packed,
-                      const Bits* v_packed, float scale, int64_t window, float soft_cap, WorkspaceBf16& ws) {
+// Per-thread buffers of one AMX work item. Rows are padded to a multiple of kAmxRows (the tiles'
+// height): padded rows are zero queries whose results are dropped.
+struct WorkspaceAmx {
+  std::vector<Bits> q;   // [R, D] the tile's queries (bf16 bits, unscaled)
+  std::vector<float> o;  // [R, D] output accumulators, not yet divided by the row sums
+  std::vector<float> s;  // [16, kAmxBlock] one row block's scores of one key block
+  std::vector<Bits> p;   // [16, kAmxBlock] their probabilities, rounded to bf16
+  std::vector<float> m;  // [R] each row's reference max, in base-2 units (score x scale x log2 e)
+  std::vector<float> l;  // [R] running sum of each row's 2^(score x scale x log2 e - m)
+};
+
+// attend_tile's form on AMX tiles (head_dim a multiple of 32, keys aligned to kAmxKeys): per key
+// block of kAmxBlock keys, per 16-row block, Q K^T, the softmax and P V back to back: the scores
+// and probabilities take one row block's room (12 KB), leaving L1 to the block's K and V panels,
+// which the next row block reads again. (Every row block's Q K^T, then all rows' softmax, then
+// every row block's P V ran as fast, within the shared machine's noise; issuing the tile work of
+// the next and previous row blocks between this one's softmax rows, so that the tile unit and the
+// vector units overlap, ran no faster, mostly 10-40% slower.)
+void attend_tile_amx(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_stride, const Chunk& c, int64_t h,
+                     int64_t i0, int64_t nq, int64_t group, int64_t heads, int64_t d, const Bits* k_packed,
+                     const Bits* v_packed, float scale, int64_t window, float soft_cap, WorkspaceAmx& ws) {
   const int64_t rows = nq * group, padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
   ws.q.assign(padded * d, Bits{0});
   ws.o.assign(padded * d, 0.f);
-  ws.s.resize(padded * kKeyTile);
-  ws.p.assign(padded * kKeyTile, Bits{0});
+  ws.s.resize(kAmxRows * kAmxBlock);
+  ws.p.resize(kAmxRows * kAmxBlock);
   ws.m.assign(rows, -INFINITY);
   ws.l.assign(rows, 0.f);
-  ws.alpha.resize(rows);
   const int64_t first_pos = c.context_len - c.query_len + i0;
   const int64_t last_pos = first_pos + nq - 1;
   for (int64_t i = 0; i < nq; ++i)  // the G heads of one token are adjacent rows of q
@@ -790,37 +908,27 @@ void attend_tile_bf16(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_stri
   const Bits* kh = k_packed + c.pack_offset + h * c.packed_keys * d;
   const Bits* vh = v_packed + c.pack_offset + h * c.packed_keys * d;
   const KeyRange keys = visible_keys(c, first_pos, last_pos, window);
-  for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kKeyTile) {
-    const int64_t nk = std::min(kKeyTile, keys.end - k0);
+  for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kAmxBlock) {
+    const int64_t nk = std::min(kAmxBlock, keys.end - k0);
     const Bits* panels = kh + (k0 - c.key_lo) * d;
     const Bits* values = vh + (k0 - c.key_lo) * d;
-#if defined(TPSERVE_PREFILL_AMX)
-    if constexpr (Amx)
-      for (int64_t b = 0; b < padded; b += kAmxRows) qk_block_amx(ws.s.data() + b * kKeyTile, ws.q.data() + b * d, panels, nk, d);
-    else
-#endif
-      qk_tile_bf16(ws.s.data(), ws.q.data(), panels, rows, nk, d);
     const bool masked = tile_crosses_an_edge(k0, nk, first_pos, last_pos, window);
-    softmax_rows_bf16(ws, rows, nk, scale, soft_cap, masked, first_pos, group, k0, window);
-#if defined(TPSERVE_PREFILL_AMX)
-    if constexpr (Amx) {
-      for (int64_t r = 0; r < rows; ++r) {
-        if (ws.alpha[r] == 1.f) continue;  // the row's max held: nothing to rescale
-        const __m512 a = _mm512_set1_ps(ws.alpha[r]);
-        float* orow = ws.o.data() + r * d;
-        for (int64_t x = 0; x < d; x += 16) _mm512_storeu_ps(orow + x, _mm512_mul_ps(_mm512_loadu_ps(orow + x), a));
+    for (int64_t r0 = 0; r0 < rows; r0 += kAmxRows) {
+      qk_block_amx(ws.s.data(), kAmxBlock, ws.q.data() + r0 * d, panels, nk, d);
+      const int64_t live = std::min(kAmxRows, rows - r0);  // rows of the block that are not padding
+      for (int64_t r = 0; r < live; ++r) {
+        const float alpha =
+            softmax_row_bf16(ws.s.data() + r * kAmxBlock, ws.p.data() + r * kAmxBlock, nk, scale, soft_cap, masked,
+                             first_pos + (r0 + r) / group, k0, window, ws.m[r0 + r], ws.l[r0 + r]);
+        rescale_row(ws.o.data() + (r0 + r) * d, alpha, d);
       }
-      for (int64_t b = 0; b < padded; b += kAmxRows) pv_block_amx(ws.o.data() + b * d, ws.p.data() + b * kKeyTile, values, nk, d);
-    } else
-#endif
-      pv_tile_bf16(ws.o.data(), ws.p.data(), ws.alpha.data(), values, rows, nk, d);
+      if (live < kAmxRows) std::fill(ws.p.data() + live * kAmxBlock, ws.p.data() + kAmxRows * kAmxBlock, Bits{0});
+      pv_block_amx(ws.o.data() + r0 * d, ws.p.data(), kAmxBlock, values, nk, d);
+    }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / ws.l[r]);
-    c10::BFloat16* dst = out + (c.query_start + i0 + r / group) * heads * d + (h * group + r % group) * d;
-    for (int64_t x = 0; x < d; x += 16) store16(dst + x, _mm512_mul_ps(_mm512_loadu_ps(ws.o.data() + r * d + x), inv));
-  }
+  store_rows_bf16(out, ws.o.data(), ws.l.data(), c, h, i0, rows, group, heads, d);
 }
+#endif  // AMX
 
 // A bf16 row of d values at src (the cache's bits), or zeros where src is null (a key past the
 // context: always masked, but its bits must not be NaN, which 0 * NaN would leave in P V).
@@ -970,16 +1078,30 @@ void attend_bf16(const StepPlan& plan, const CacheView<c10::BFloat16, Index>& ca
     at::parallel_for(0, static_cast<int64_t>(plan.items.size()), 1, [&](int64_t begin, int64_t end) {
 #if defined(TPSERVE_PREFILL_AMX)
       if constexpr (decltype(amx)::value) configure_amx();  // tile state is per thread
+      WorkspaceAmx wa;
 #endif
+      // Flush-to-zero for the softmax's float math: a probability below 2^-126 (a key far below
+      // its row's max, or a masked one) is 0 rather than a denormal, each of which costs a
+      // microcode assist (the 1,024-token prompt ran 1.3x slower with them); torch's exp also
+      // returns 0 below the smallest normal. Restored before the thread leaves.
+      const unsigned int csr = _mm_getcsr();
+      _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
       WorkspaceBf16 ws;
       for (int64_t n = begin; n < end; ++n) {
         const auto [i, h, tile] = plan.items[n];
         const Chunk& c = plan.chunks[i];
-        const int64_t i0 = tile * kQueryTile;
-        attend_tile_bf16<decltype(amx)::value>(out, q, q_stride, c, h, i0, std::min(kQueryTile, c.query_len - i0),
-                                               group, heads, d, k_packed.get(), v_packed.get(), scale, window,
-                                               soft_cap, ws);
+        const int64_t i0 = tile * kQueryTile, nq = std::min(kQueryTile, c.query_len - i0);
+#if defined(TPSERVE_PREFILL_AMX)
+        if constexpr (decltype(amx)::value) {
+          attend_tile_amx(out, q, q_stride, c, h, i0, nq, group, heads, d, k_packed.get(), v_packed.get(), scale,
+                          window, soft_cap, wa);
+          continue;
+        }
+#endif
+        attend_tile_bf16(out, q, q_stride, c, h, i0, nq, group, heads, d, k_packed.get(), v_packed.get(), scale,
+                         window, soft_cap, ws);
       }
+      _mm_setcsr(csr);
 #if defined(TPSERVE_PREFILL_AMX)
       if constexpr (decltype(amx)::value) _tile_release();
 #endif
