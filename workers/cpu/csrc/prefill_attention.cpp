@@ -663,6 +663,30 @@ inline void store_rows_bf16(c10::BFloat16* out, const float* o, const float* l, 
   }
 }
 
+// The G query heads of each of a bf16 work item's nq tokens, as adjacent rows of dst (d values
+// each): the rows both bf16 paths multiply.
+inline void gather_group_queries(Bits* dst, const c10::BFloat16* q, int64_t q_stride, const Chunk& c, int64_t h,
+                                 int64_t i0, int64_t nq, int64_t group, int64_t d) {
+  for (int64_t i = 0; i < nq; ++i)
+    std::memcpy(dst + i * group * d, q + (c.query_start + i0 + i) * q_stride + h * group * d, group * d * sizeof(Bits));
+}
+
+// Where a bf16 work item reads: its first and last query positions, its KV head's packed keys
+// and values, and the keys its queries see.
+struct ItemKeys {
+  int64_t first_pos, last_pos;
+  const Bits* k;
+  const Bits* v;
+  KeyRange keys;
+};
+
+inline ItemKeys item_keys(const Chunk& c, int64_t h, int64_t i0, int64_t nq, int64_t d, const Bits* k_packed,
+                          const Bits* v_packed, int64_t window) {
+  const int64_t first_pos = c.context_len - c.query_len + i0, last_pos = first_pos + nq - 1;
+  return {first_pos, last_pos, k_packed + c.pack_offset + h * c.packed_keys * d,
+          v_packed + c.pack_offset + h * c.packed_keys * d, visible_keys(c, first_pos, last_pos, window)};
+}
+
 // attend_tile's bf16 form on vdpbf16ps register tiles (head_dim a multiple of 16): the same work
 // item, key range, masks and online softmax, on bf16 panels, in key tiles of kKeyTile.
 void attend_tile_bf16(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_stride, const Chunk& c, int64_t h,
@@ -675,14 +699,11 @@ void attend_tile_bf16(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_stri
   ws.p.resize(rows * kKeyTile);
   ws.m.assign(rows, -INFINITY);
   ws.l.assign(rows, 0.f);
-  const int64_t first_pos = c.context_len - c.query_len + i0;
-  const int64_t last_pos = first_pos + nq - 1;
-  for (int64_t i = 0; i < nq; ++i)  // the G heads of one token are adjacent rows of q
-    std::memcpy(ws.q.data() + i * group * d, q + (c.query_start + i0 + i) * q_stride + h * group * d,
-                group * d * sizeof(Bits));
-  const Bits* kh = k_packed + c.pack_offset + h * c.packed_keys * d;
-  const Bits* vh = v_packed + c.pack_offset + h * c.packed_keys * d;
-  const KeyRange keys = visible_keys(c, first_pos, last_pos, window);
+  gather_group_queries(ws.q.data(), q, q_stride, c, h, i0, nq, group, d);
+  const ItemKeys item = item_keys(c, h, i0, nq, d, k_packed, v_packed, window);
+  const int64_t first_pos = item.first_pos, last_pos = item.last_pos;
+  const Bits *kh = item.k, *vh = item.v;
+  const KeyRange keys = item.keys;
   for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, keys.end - k0);
     qk_tile_bf16(ws.s.data(), ws.q.data(), kh + (k0 - c.key_lo) * d, rows, nk, d);
@@ -900,14 +921,11 @@ void attend_tile_amx(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_strid
   ws.p.resize(kAmxRows * kAmxBlock);
   ws.m.assign(rows, -INFINITY);
   ws.l.assign(rows, 0.f);
-  const int64_t first_pos = c.context_len - c.query_len + i0;
-  const int64_t last_pos = first_pos + nq - 1;
-  for (int64_t i = 0; i < nq; ++i)  // the G heads of one token are adjacent rows of q
-    std::memcpy(ws.q.data() + i * group * d, q + (c.query_start + i0 + i) * q_stride + h * group * d,
-                group * d * sizeof(Bits));
-  const Bits* kh = k_packed + c.pack_offset + h * c.packed_keys * d;
-  const Bits* vh = v_packed + c.pack_offset + h * c.packed_keys * d;
-  const KeyRange keys = visible_keys(c, first_pos, last_pos, window);
+  gather_group_queries(ws.q.data(), q, q_stride, c, h, i0, nq, group, d);
+  const ItemKeys item = item_keys(c, h, i0, nq, d, k_packed, v_packed, window);
+  const int64_t first_pos = item.first_pos, last_pos = item.last_pos;
+  const Bits *kh = item.k, *vh = item.v;
+  const KeyRange keys = item.keys;
   for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kAmxBlock) {
     const int64_t nk = std::min(kAmxBlock, keys.end - k0);
     const Bits* panels = kh + (k0 - c.key_lo) * d;
