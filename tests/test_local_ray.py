@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import ray
 
 import local_ray
-
-ray = pytest.importorskip("ray")
 
 
 class FakeInit:

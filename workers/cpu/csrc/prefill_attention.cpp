@@ -680,8 +680,15 @@ struct ItemKeys {
   KeyRange keys;
 };
 
-inline ItemKeys item_keys(const Chunk& c, int64_t h, int64_t i0, int64_t nq, int64_t d, const Bits* k_packed,
-                          const Bits* v_packed, int64_t window) {
+// A bf16 work item's start on either path's workspace (its q rows already sized): every row's
+// running max and sum reset, its queries gathered; returns where it reads.
+template <typename Workspace>
+ItemKeys begin_item(Workspace& ws, int64_t rows, const c10::BFloat16* q, int64_t q_stride, const Chunk& c, int64_t h,
+                    int64_t i0, int64_t nq, int64_t group, int64_t d, const Bits* k_packed, const Bits* v_packed,
+                    int64_t window) {
+  ws.m.assign(rows, -INFINITY);
+  ws.l.assign(rows, 0.f);
+  gather_group_queries(ws.q.data(), q, q_stride, c, h, i0, nq, group, d);
   const int64_t first_pos = c.context_len - c.query_len + i0, last_pos = first_pos + nq - 1;
   return {first_pos, last_pos, k_packed + c.pack_offset + h * c.packed_keys * d,
           v_packed + c.pack_offset + h * c.packed_keys * d, visible_keys(c, first_pos, last_pos, window)};
@@ -697,13 +704,8 @@ void attend_tile_bf16(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_stri
   ws.o.assign(rows * d, 0.f);
   ws.s.resize(rows * kKeyTile);
   ws.p.resize(rows * kKeyTile);
-  ws.m.assign(rows, -INFINITY);
-  ws.l.assign(rows, 0.f);
-  gather_group_queries(ws.q.data(), q, q_stride, c, h, i0, nq, group, d);
-  const ItemKeys item = item_keys(c, h, i0, nq, d, k_packed, v_packed, window);
-  const int64_t first_pos = item.first_pos, last_pos = item.last_pos;
-  const Bits *kh = item.k, *vh = item.v;
-  const KeyRange keys = item.keys;
+  const auto [first_pos, last_pos, kh, vh, keys] = begin_item(ws, rows, q, q_stride, c, h, i0, nq, group, d,
+                                                              k_packed, v_packed, window);
   for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, keys.end - k0);
     qk_tile_bf16(ws.s.data(), ws.q.data(), kh + (k0 - c.key_lo) * d, rows, nk, d);
@@ -857,33 +859,29 @@ inline void pv_block_amx(float* o, const Bits* p, int64_t ld, const Bits* v, int
       _tile_loadd(2, o + c0 + 32, o_stride);
       _tile_loadd(3, o + c0 + 48, o_stride);
     }
+// One run of 32 keys: the probabilities in A tile `a` times the V pairs at b into C tiles 0-1 (0-3
+// when four). A macro: the tile intrinsics take literal tile numbers.
+#define TPSERVE_PV_RUN(a, b)                 \
+  _tile_loadd(5, b, v_stride);               \
+  _tile_dpbf16ps(0, a, 5);                   \
+  _tile_loadd(6, (b) + 32, v_stride);        \
+  _tile_dpbf16ps(1, a, 6);                   \
+  if (four) {                                \
+    _tile_loadd(5, (b) + 64, v_stride);      \
+    _tile_dpbf16ps(2, a, 5);                 \
+    _tile_loadd(6, (b) + 96, v_stride);      \
+    _tile_dpbf16ps(3, a, 6);                 \
+  }
     for (int64_t k = 0; k < nk; k += 2 * kAmxKeys) {
       _tile_loadd(4, p + k, p_stride);
       const Bits* b = v + k * d + 2 * c0;  // key pairs k/2.., dims c0..
-      _tile_loadd(5, b, v_stride);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, b + 32, v_stride);
-      _tile_dpbf16ps(1, 4, 6);
-      if (four) {
-        _tile_loadd(5, b + 64, v_stride);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, b + 96, v_stride);
-        _tile_dpbf16ps(3, 4, 6);
-      }
+      TPSERVE_PV_RUN(4, b)
       if (nk - k <= kAmxKeys) break;
       _tile_loadd(7, p + k + kAmxKeys, p_stride);
       b += kAmxKeys * d;  // the next 16 key pairs
-      _tile_loadd(5, b, v_stride);
-      _tile_dpbf16ps(0, 7, 5);
-      _tile_loadd(6, b + 32, v_stride);
-      _tile_dpbf16ps(1, 7, 6);
-      if (four) {
-        _tile_loadd(5, b + 64, v_stride);
-        _tile_dpbf16ps(2, 7, 5);
-        _tile_loadd(6, b + 96, v_stride);
-        _tile_dpbf16ps(3, 7, 6);
-      }
+      TPSERVE_PV_RUN(7, b)
     }
+#undef TPSERVE_PV_RUN
     _tile_stored(0, o + c0, o_stride);
     _tile_stored(1, o + c0 + 16, o_stride);
     if (four) {
@@ -919,13 +917,8 @@ void attend_tile_amx(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_strid
   ws.o.assign(padded * d, 0.f);
   ws.s.resize(kAmxRows * kAmxBlock);
   ws.p.resize(kAmxRows * kAmxBlock);
-  ws.m.assign(rows, -INFINITY);
-  ws.l.assign(rows, 0.f);
-  gather_group_queries(ws.q.data(), q, q_stride, c, h, i0, nq, group, d);
-  const ItemKeys item = item_keys(c, h, i0, nq, d, k_packed, v_packed, window);
-  const int64_t first_pos = item.first_pos, last_pos = item.last_pos;
-  const Bits *kh = item.k, *vh = item.v;
-  const KeyRange keys = item.keys;
+  const auto [first_pos, last_pos, kh, vh, keys] = begin_item(ws, rows, q, q_stride, c, h, i0, nq, group, d,
+                                                              k_packed, v_packed, window);
   for (int64_t k0 = keys.begin; k0 < keys.end; k0 += kAmxBlock) {
     const int64_t nk = std::min(kAmxBlock, keys.end - k0);
     const Bits* panels = kh + (k0 - c.key_lo) * d;
