@@ -87,8 +87,10 @@ def test_every_dashboard_query_has_data_from_both_nodes(cluster, tmp_path):
 
     nodes, http_root = cluster
     # ~40 KV blocks per replica: 6 concurrent 150-token requests do not fit, so some are preempted.
+    # KV events on (each replica on a free port: ZMQ's wildcard), or the "KV events rate by type"
+    # panel's counter never moves; no subscriber is needed for it to count.
     config = {**SERVE_TEST_CONFIG, "num_replicas": 2, "max_replicas_per_node": 1, "kv_cache_memory_gib": 0.03,
-              "max_model_len": 512, "max_num_seqs": 8}
+              "max_model_len": 512, "max_num_seqs": 8, "kv_events": {"endpoint": "tcp://127.0.0.1:*"}}
     server = deploy(config, "prom", "/prom", http_root)
     prometheus, prometheus_url = start_prometheus(nodes, tmp_path)
     try:
