@@ -5,8 +5,8 @@
 // the model, so it is bound by how fast the weights stream from memory. oneDNN's prepacked AMX
 // GEMM (workers/cpu/linear.py) streamed the default model's projections and LM head (269 MB) at
 // 7-11 GB/s on a 2-core Xeon where a plain read of the same bytes runs at ~15 GB/s; this kernel
-// loads each weight tile from memory once per call, prefetched, and streams them at 14-17 GB/s up
-// to 16 rows, 11-14 at 32 (amx_linear_max_rows gives the figures and where it stops). It also
+// loads each weight tile from memory once per call, prefetched, and streams them at the read rate
+// up to 16 rows (amx_linear_max_rows gives the figures and where it stops). It also
 // replaces skinny_linear's bf16 loop: as fast at 1-4 rows, 1.4x at 8 (24.1 -> 17.0 ms), and one
 // copy of the weights in AMX tile order replaces the plain one skinny_linear kept.
 //
@@ -15,11 +15,19 @@
 // W[16 nb + c][32 kb + 2 p + j]; K is zero-padded to a multiple of 32. One n block's tiles are
 // contiguous, so each task streams one run of memory.
 //
-// Loop: per 16 output columns, up to four 16-row blocks of x accumulate in four C tiles
-// (tmm0-3) while each B tile (tmm6) is loaded once and the A tiles (tmm4-5) come from x, packed
-// per call into tile order (pack_rows) so they stay in L1; more than 64 rows take the same n block
-// again per 64, its B tiles then from L1/L2. Tried and dropped: two n blocks x two row blocks per
-// pass (4 C, 2 A, 2 B tiles; four loads per four products instead of five): 1.0-1.3x slower.
+// Loop: x is packed per call into A-tile order (pack_rows), so its tiles stream from L1/L2.
+// - Up to 16 rows: per 16 output columns (one n block) one C tile (tmm0) accumulates while each B
+//   tile (tmm6) is loaded once: the weight stream is the whole cost.
+// - More rows: two n blocks at a time (n_pair), two 16-row blocks per pass, four C tiles (tmm0-3),
+//   A tiles tmm4-5, B tiles tmm6-7: each tile loaded feeds two products. The first pass streams
+//   the weights from memory, later passes (rows 33 on) read the same 32 columns' tiles again from
+//   L1/L2. Against one n block with four row blocks per pass (five tile loads per four products,
+//   which this kernel did until 2026-12-05) the default model's 30 layers and LM head took 12.0
+//   instead of 13.9 ms at 32 rows, 14.3 instead of 20.1 at 48 and 16.1 instead of 24.2 at 64
+//   (2-core Xeon, weights on 2 MB pages, the two builds alternated, three runs each). An earlier
+//   try of this blocking, with prefetches into L1 only, had measured 1.0-1.3x slower.
+// Prefetch: each B tile's 16 lines are prefetched into L1 kPrefetchTiles ahead and into L2
+// kPrefetchL2Tiles ahead: the hardware's streamer alone left the tile loads waiting on memory.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,12 +54,18 @@ constexpr int64_t kMaxRowBlocks = 4;  // C tiles per n block: 64 rows of x per p
 // 23.0 ms and 32 rows 31.3; prefetching 2 of each tile's lines 4 tiles ahead 16.8 and 27.1; all 16
 // lines 4-6 tiles ahead 15.8-18.5 and 19.5-22.8 (2 tiles: 18.1 and 23.3; into L2 only: no better).
 constexpr int64_t kPrefetchTiles = 4;
+// ... and into L2 this many tiles ahead as well. Measured over the default model's projections
+// and LM head (2-core Xeon, 2 MB pages, arms alternated in one process): 1 row 11.0 -> 10.4 ms,
+// 16 rows 11.3 -> 11.0, 32 rows 14.6 -> 13.5, 64 rows (one n block per pass) 24.2 -> 19.5; 16
+// tiles ahead about the same as 8. A single-thread probe streaming 256 MB at 64 rows: 2.6 -> 1.8
+// us per n block.
+constexpr int64_t kPrefetchL2Tiles = 8;
 
 #if defined(TPSERVE_AMX)
 using tpserve::amx_usable;
 
 // The 64-byte tile configuration (palette 1): tmm0-3 C (16 x 16 float32), tmm4-5 A (16 rows x 32
-// bf16), tmm6 B (16 pairs x 16 columns x 2 bf16).
+// bf16), tmm6-7 B (16 pairs x 16 columns x 2 bf16).
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
   uint8_t start_row = 0;
@@ -62,7 +76,7 @@ struct alignas(64) TileConfig {
 
 void configure_tiles() {
   TileConfig cfg;
-  for (int t = 0; t < 7; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = kTileRows;
     cfg.colsb[t] = 64;
   }
@@ -93,6 +107,14 @@ inline void store_c(int tile, float* scratch, c10::BFloat16* y, int64_t y_stride
 // One n block (16 output columns) for R row blocks of x: C tiles 0..R-1 over all K, each B tile
 // loaded once. `a` is x in A-tile order (pack_rows): the R tiles of one k block lie together,
 // `kb_stride` bytes from the next k block's.
+// B tile `b`'s successors into L1 and L2 (kPrefetchTiles, kPrefetchL2Tiles).
+inline void prefetch_b(const char* b) {
+  for (int line = 0; line < 16; ++line) {
+    _mm_prefetch(b + kPrefetchTiles * 1024 + line * 64, _MM_HINT_T0);
+    _mm_prefetch(b + kPrefetchL2Tiles * 1024 + line * 64, _MM_HINT_T1);
+  }
+}
+
 template <int R>
 void n_block(const char* a, int64_t kb_stride, const char* b, int64_t k_blocks) {
   if (R > 0) _tile_zero(0);
@@ -100,7 +122,7 @@ void n_block(const char* a, int64_t kb_stride, const char* b, int64_t k_blocks) 
   if (R > 2) _tile_zero(2);
   if (R > 3) _tile_zero(3);
   for (int64_t kb = 0; kb < k_blocks; ++kb, a += kb_stride, b += 1024) {
-    for (int line = 0; line < 16; ++line) _mm_prefetch(b + kPrefetchTiles * 1024 + line * 64, _MM_HINT_T0);
+    prefetch_b(b);
     _tile_loadd(6, b, 64);
     _tile_loadd(4, a, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -115,6 +137,57 @@ void n_block(const char* a, int64_t kb_stride, const char* b, int64_t k_blocks) 
     if (R > 3) {
       _tile_loadd(5, a + 3072, 64);
       _tile_dpbf16ps(3, 5, 6);
+    }
+  }
+}
+
+// Two n blocks (b0: columns n0..n0+15, b1: the next 16) for RB (1 or 2) row blocks of x: C tiles
+// 0 / 1 hold the row blocks' sums for b0, 2 / 3 for b1. Only the first pass over a pair streams
+// the weights from memory, so only it prefetches.
+template <int RB>
+void n_pair(const char* a, int64_t kb_stride, const char* b0, const char* b1, int64_t k_blocks, bool prefetch) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if (RB > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < k_blocks; ++kb, a += kb_stride, b0 += 1024, b1 += 1024) {
+    if (prefetch) {
+      prefetch_b(b0);
+      prefetch_b(b1);
+    }
+    _tile_loadd(6, b0, 64);
+    _tile_loadd(4, a, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (RB > 1) {
+      _tile_loadd(5, a + 1024, 64);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    _tile_loadd(7, b1, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    if (RB > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// Columns [n0, n0 + 32) of every row of y from the pair of n blocks at b0 (n_pair per two row
+// blocks), stored as each pass ends.
+void n_pair_and_store(const char* a, int64_t kb_stride, const char* b0, int64_t k_blocks, int64_t row_blocks,
+                      float* scratch, c10::BFloat16* y, int64_t N, int64_t M, int64_t n0, const float* bias) {
+  const char* b1 = b0 + k_blocks * 1024;
+  for (int64_t rb = 0; rb < row_blocks; rb += 2) {
+    const int64_t row0 = rb * kTileRows, rows0 = std::min(kTileRows, M - row0);
+    if (rb + 1 < row_blocks) {
+      n_pair<2>(a + rb * 1024, kb_stride, b0, b1, k_blocks, rb == 0);
+      const int64_t rows1 = std::min(kTileRows, M - row0 - kTileRows);
+      store_c(0, scratch, y, N, row0, rows0, n0, kTileN, bias);
+      store_c(1, scratch, y, N, row0 + kTileRows, rows1, n0, kTileN, bias);
+      store_c(2, scratch, y, N, row0, rows0, n0 + kTileN, kTileN, bias);
+      store_c(3, scratch, y, N, row0 + kTileRows, rows1, n0 + kTileN, kTileN, bias);
+    } else {
+      n_pair<1>(a + rb * 1024, kb_stride, b0, b1, k_blocks, rb == 0);
+      store_c(0, scratch, y, N, row0, rows0, n0, kTileN, bias);
+      store_c(2, scratch, y, N, row0, rows0, n0 + kTileN, kTileN, bias);
     }
   }
 }
@@ -206,11 +279,17 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
   const float* bias_ptr = b.defined() ? b.data_ptr<float>() : nullptr;
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const int64_t kb_stride = row_blocks * 1024;
-  at::parallel_for(0, nbs, 1, [&](int64_t begin, int64_t end) {
+  // Work is handed out in pairs of n blocks (n_pair); a pair past N is one n block.
+  at::parallel_for(0, (nbs + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) float scratch[kTileRows * kTileN];
-    for (int64_t nb = begin; nb < end; ++nb) {
+    for (int64_t nb = 2 * begin; nb < std::min(2 * end, nbs); ++nb) {
       const char* bt = wp + nb * kbs * 1024;
+      if (row_blocks > 1 && nb + 1 < nbs) {
+        n_pair_and_store(ap, kb_stride, bt, kbs, row_blocks, scratch, yp, N, M, nb * kTileN, bias_ptr);
+        ++nb;
+        continue;
+      }
       for (int64_t rb = 0; rb < row_blocks; rb += kMaxRowBlocks) {
         const char* a = ap + rb * 1024;
         const int64_t row0 = rb * kTileRows, n0 = nb * kTileN;
@@ -238,17 +317,21 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
 // 29.7 -> 25.7 and 28.3 -> 22.1; 64 rows 25.4 -> 24.7 and 25.8 -> 23.6; 96 rows 55.2 -> 54.5 and
 // 32.1 -> 34.5; 128 rows 61.6 -> 68.2 and 35.6 -> 42.8. From ~64 rows the tile products, not the
 // weights, bound it, and oneDNN's blocking does better there.
-// Re-measured with torch 2.13's oneDNN (same Xeon, the 4 projections x 30 layers without the LM
-// head, arms alternated): oneDNN now wins the projections alone from ~40 rows (64 rows 16.3-17.0
-// vs 21.0 ms), but in an engine's decode step, the limit toggled between steps of one process,
+// Before n_pair, re-measured with torch 2.13's oneDNN (same Xeon, the 4 projections x 30 layers
+// without the LM head, arms alternated): oneDNN then won the projections alone from ~40 rows (64
+// rows 16.3-17.0 vs 21.0 ms), but in an engine's decode step, the limit toggled between steps of one process,
 // 32 instead of 64 changed nothing (64 requests 56.3 vs 57.2 ms, 40 requests 41.1 vs 39.6), and
 // a limit timed at load the way panel_linear's is picked 8-16 rows on a loaded machine, where
 // oneDNN is 1.3x slower. So the limit stays fixed.
-// Tried at 64 rows and dropped (no change beyond +-5%): B tiles double-buffered in tmm6 / tmm7, A
-// tiles prefetched into L1 a k block ahead, B prefetched 1-16 tiles ahead, into L1 or L2. With the
-// loads left out the tile products alone ran at 2.0-2.4 TFLOP/s (four accumulating C tiles, 18-48
-// k blocks per n block) against peak_probe's 7.6 with six, and the weight stream did not overlap
-// them: a 64-row pass took about their sum.
+// Tried at 64 rows with one n block per pass and dropped (no change beyond +-5%): B tiles
+// double-buffered in tmm6 / tmm7, A tiles prefetched into L1 a k block ahead, B prefetched 1-16
+// tiles ahead into L1 or into L2 alone (what won, above, is both at once). With the loads left out
+// the tile products alone ran at 2.0-2.4 TFLOP/s against peak_probe's 7.6, and the weight stream
+// did not overlap them.
+// With n_pair and both prefetches (2026-12-05, same Xeon, cold weights on 2 MB pages, against
+// oneDNN's packed GEMM on the 4 projections x 30 layers): 16 rows 1.46x oneDNN's speed, 64 rows
+// 1.20x, 96-128 rows 1.03-1.04x, 256-2048 rows 0.87-0.45x (oneDNN's blocking keeps x in cache
+// there); so the limit stays at 64.
 int64_t amx_linear_max_rows() {
 #if defined(TPSERVE_AMX)
   return amx_usable() ? 64 : 0;
