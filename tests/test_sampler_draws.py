@@ -100,6 +100,28 @@ def test_greedy_rows_take_the_argmax_of_the_penalized_logits():
     assert out.token_ids == expected and out.token_ids[2] == 9
 
 
+def test_bf16_logits_give_the_tokens_and_logprobs_of_their_float32_copy(monkeypatch):
+    """The runner hands over the model's bf16 logits: a batch of plain greedy rows is answered
+    from them as they are (no float32 copy), any row that reads more (sampling, a processor,
+    logprobs) takes the batch to float32 first; either way the tokens, errors and logprobs are
+    those of the float32 logits."""
+    logits = (torch.randn(4, 500, generator=torch.Generator().manual_seed(13)) * 3).bfloat16()
+    logits[3, 5] = float("nan")
+    seen = []
+    monkeypatch.setattr("workers.sampling.sampler.torch_row_max", lambda x: seen.append(x.dtype) or x.max(dim=-1))
+    from workers.sampling import sampler
+    for params, dtype in ((SP(temperature=0.0), torch.bfloat16), (SP(temperature=0.0, logprobs=2), torch.float32),
+                          (SP(temperature=0.0, repetition_penalty=1.3), torch.float32),
+                          (SP(temperature=0.8, seed=5), torch.float32)):
+        rows = lambda: [row(params, torch.Generator().manual_seed(i)) for i in range(4)]  # noqa: E731
+        seen.clear()
+        out = sampler.sample(logits, rows(), sampler.torch_row_max)
+        ref = sampler.sample(logits.float(), rows(), sampler.torch_row_max)
+        assert seen[0] == dtype, params
+        assert out.token_ids == ref.token_ids and out.errors == ref.errors == {3: NON_FINITE_LOGITS}
+        assert out.logprobs == ref.logprobs
+
+
 def test_logprobs_are_the_raw_log_softmax_whatever_the_filters():
     logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(9)) * 3
     params = [SP(temperature=0.5, top_k=3, repetition_penalty=1.5, logprobs=4),

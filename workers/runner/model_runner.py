@@ -240,7 +240,7 @@ class ModelRunner:
                 generator=state.generator,
                 allowed_token_bitmask=bitmasks.get(req_id),
             ))
-        sampled = sample(logits.float(), rows, self.backend.row_max)
+        sampled = sample(logits, rows, self.backend.row_max)
         result = ModelRunnerOutput()
         for n, ((req_id, _), token_id, lp) in enumerate(zip(samplers, sampled.token_ids, sampled.logprobs)):
             if token_id is None:

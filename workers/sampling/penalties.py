@@ -134,7 +134,7 @@ def apply_request_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) 
     Extreme parameters (a repetition penalty near 0) can overflow a logit; +inf becomes the
     largest float and NaN becomes -inf so that softmax and argmax stay defined for the row.
     """
-    if not any(_needs_processing(r) for r in rows):
+    if not needs_processing(rows):
         return logits
     logits = logits.clone()
     apply_repetition_penalty(logits, rows)
@@ -144,6 +144,11 @@ def apply_request_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) 
     apply_allowed_bitmask(logits, rows)
     return torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max,
                              neginf=float("-inf"))
+
+
+def needs_processing(rows: Sequence[SamplingRow]) -> bool:
+    """Whether any row's logits are changed by a processor above."""
+    return any(_needs_processing(r) for r in rows)
 
 
 def _needs_processing(row: SamplingRow) -> bool:
