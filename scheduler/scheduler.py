@@ -144,7 +144,24 @@ class Scheduler:
         if cfg.num_batched_tokens_per_request <= 0:
             return cfg.max_num_batched_tokens
         demand = cfg.num_batched_tokens_per_request * (len(self.running) + len(self.waiting))
-        return min(cfg.max_num_batched_tokens, max(cfg.min_num_batched_tokens, demand))
+        budget = min(cfg.max_num_batched_tokens, max(cfg.min_num_batched_tokens, demand))
+        return max(budget, self._head_prompt_chunk())
+
+    def _head_prompt_chunk(self) -> int:
+        """The prompt first in line's remaining tokens (at most max_num_batched_tokens) when no
+        request is decoding, else 0. Such a step delays no decode, and a prompt longer than the
+        budget fills every step alone until it is done (requests are served in order), so taking it
+        in one chunk makes no other request wait longer, while chunking it would cost it more
+        passes at a poorer GEMM row count and more re-reads of its own cached K/V. Measured
+        in-process on the 2-core Xeon, default model, bf16: a lone 4,096-token prompt's first token
+        in 1.10-1.24 s against 1.47-1.48 s in chunks of the 512-token floor. Prompts shorter than
+        the budget keep it, so a burst of short prompts still gets its first tokens in small steps."""
+        if any(self._is_decoding(r) for r in self.running):
+            return 0
+        head = self.running[0] if self.running else self.waiting[0] if self.waiting else None
+        if head is None:
+            return 0
+        return min(self.config.max_num_batched_tokens, head.num_tokens - head.num_computed_tokens)
 
     def _prefill_time_budget(self) -> float | None:
         """Seconds of prefill the step may add to its decodes: a step that carries decodes is to
@@ -155,7 +172,7 @@ class Scheduler:
         cfg = self.config
         if cfg.max_decode_slowdown <= 0 or not self.step_cost.ready:
             return None
-        decodes = [r for r in self.running if r.is_prefill_done and r.num_tokens - r.num_computed_tokens == 1]
+        decodes = [r for r in self.running if self._is_decoding(r)]
         if not decodes:
             return None
         decode_s = self.step_cost.predict(StepWork(len(decodes), sum(r.num_tokens for r in decodes)))
@@ -243,10 +260,14 @@ class Scheduler:
             self._stats.prefix_cache_hits += num_hit_tokens
 
     @staticmethod
-    def _is_decode(request: Request, num_new: int) -> bool:
-        # A decode step computes exactly the latest sampled token; anything else (prompt
-        # chunks, recomputation after preemption) is prefill work.
-        return num_new == 1 and request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+    def _is_decoding(request: Request) -> bool:
+        # A decode computes exactly the latest sampled token; anything else (prompt chunks,
+        # recomputation after preemption) is prefill work.
+        return request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+
+    @classmethod
+    def _is_decode(cls, request: Request, num_new: int) -> bool:
+        return num_new == 1 and cls._is_decoding(request)
 
     def _count_tokens(self, request: Request, num_new: int) -> None:
         if self._is_decode(request, num_new):

@@ -100,13 +100,36 @@ def test_token_budget_and_max_num_seqs_cap_every_step():
 @pytest.mark.parametrize("num_requests,expected", [(1, 16), (2, 16), (3, 24), (5, 40), (7, 48), (8, 48)])
 def test_step_budget_grows_with_requests_in_the_engine(num_requests, expected):
     # 8 tokens per request, floor 16, cap 48: the first step's budget is the demand of the
-    # waiting requests (none running yet), clamped.
+    # waiting requests (none running yet), clamped. The prompts (12 tokens) are shorter than the
+    # floor, so the first one in line never widens the budget (see the test below).
     sched = make_scheduler(max_num_batched_tokens=48, min_num_batched_tokens=16,
                            num_batched_tokens_per_request=8, max_num_seqs=8)
-    add_requests(sched, *[make_request(40, max_tokens=2) for _ in range(num_requests)])
+    add_requests(sched, *[make_request(12, max_tokens=2) for _ in range(num_requests)])
     assert sched.step_token_budget() == expected
     first = step(sched, FakeRunner.for_scheduler(sched))
-    assert first.output.total_num_scheduled_tokens == expected
+    assert first.output.total_num_scheduled_tokens == min(expected, 12 * num_requests)
+
+
+def test_a_long_prompt_first_in_line_takes_whole_steps_unless_a_request_decodes():
+    # Budget 2 per request, floor 8, cap 64. A prompt alone (nothing decoding) is chunked only at
+    # the cap, not at the floor, and a step widened for it takes nothing of the prompt behind it.
+    sched = make_scheduler(max_num_batched_tokens=64, min_num_batched_tokens=8,
+                           num_batched_tokens_per_request=2, max_num_seqs=4)
+    runner = FakeRunner.for_scheduler(sched)
+    first, second = add_requests(sched, make_request(100, max_tokens=20), make_request(40, max_tokens=2))
+    assert sched.step_token_budget() == 64
+    a = step(sched, runner)
+    assert (a.scheduled(first.request_id), a.scheduled(second.request_id)) == (64, 0)
+    b = step(sched, runner)  # the first prompt's last 36 tokens: the step is widened to them only
+    assert (b.scheduled(first.request_id), b.scheduled(second.request_id)) == (36, 0)
+    assert len(b.new_tokens(first.request_id)) == 1
+    # Now the first decodes: the second's remaining 12 tokens wait behind the load's budget (8,
+    # one decode and 7 prompt tokens), as a decode must not stall behind a large chunk.
+    assert sched.step_token_budget() == 8
+    c = step(sched, runner)
+    assert (c.scheduled(first.request_id), c.scheduled(second.request_id)) == (1, 7)
+    run_until_done(sched, runner)
+    assert_drained(sched, runner)
 
 
 def test_step_budget_counts_running_and_waiting_and_follows_the_load():
@@ -134,11 +157,13 @@ def test_step_budget_floor_above_the_cap_gives_the_cap_and_zero_per_request_fixe
     fixed = make_scheduler(max_num_batched_tokens=40, min_num_batched_tokens=8, num_batched_tokens_per_request=0)
     add_requests(fixed, make_request(30))
     assert fixed.step_token_budget() == 40
-    # A request in the prefill under the floor-sized budget is chunked at it.
+    # A prompt behind a decoding request is chunked at the floor-sized budget (the request first
+    # in line is shorter than the floor, then decodes; the prompt gets the rest of each step).
     small = make_scheduler(max_num_batched_tokens=64, min_num_batched_tokens=8, num_batched_tokens_per_request=2)
-    (req,) = add_requests(small, make_request(20, max_tokens=1))
+    head, req = add_requests(small, make_request(3, max_tokens=5), make_request(20, max_tokens=1))
     result = run_until_done(small)
-    assert [s.scheduled(req.request_id) for s in result.steps] == [8, 8, 4]
+    assert [s.scheduled(head.request_id) for s in result.steps] == [3, 1, 1, 1, 1]
+    assert [s.scheduled(req.request_id) for s in result.steps] == [5, 7, 7, 1, 0]
 
 
 def test_max_num_seqs_admits_next_only_when_one_finishes():
