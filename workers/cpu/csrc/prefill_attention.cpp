@@ -541,8 +541,12 @@ struct WorkspaceBf16 {
   std::vector<float> s;  // [R, kKeyTile] one key tile's scores
   std::vector<Bits> p;   // [R, kKeyTile] their probabilities, rounded to bf16
   std::vector<float> m;  // [R] each row's reference max, in base-2 units (score x scale x log2 e)
-  std::vector<float> l;  // [R] running sum of each row's 2^(score x scale x log2 e - m)
+  std::vector<float> l;  // [R, kSumLanes] running sums of each row's 2^(score x scale x log2 e - m)
 };
+
+// A bf16 row's running sum of probabilities is kept in 16 lanes, added across once when its
+// output is stored: one horizontal add per row and key block cost a 4k prompt's attention 5-9%.
+constexpr int64_t kSumLanes = 16;
 
 // The softmax runs in base 2, e^x = 2^(x log2 e), the scale folded into the factor: one FMA per
 // score (score x scale log2 e - m) feeds exp2_512.
@@ -554,28 +558,29 @@ constexpr float kLog2e = 1.44269504088896341f;
 // whose max grows a little. Rounding is unchanged: bf16 keeps 8 bits relative to any reference.
 constexpr float kLazyRescale = 8.f;
 
-// 2^t on 16 floats: t = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial fitted (minimax, relative)
-// on [-1/2, 1/2], then scaled by 2^n (scalef). Relative error 2.3e-7 (2 ulp of fp32), as exp512's.
-// t = -inf gives NaN (f = -inf - -inf): callers clamp masked scores first (a large negative n
-// gives 0, flushed: attend_bf16 runs with flush-to-zero).
+// 2^t on 16 floats: t = n + f, |f| <= 1/2 (vreduceps gives f = t - round(t) in one instruction,
+// exactly; roundscale and a subtraction took two), 2^f by a degree-3 polynomial fitted (minimax,
+// relative) on [-1/2, 1/2], then scaled by 2^n (scalef). Relative error 7.5e-5: every probability
+// is rounded to bf16 next (up to 2^-9 = 2.0e-3), 26x coarser, and the row sums' error stays far
+// below the output's own bf16 rounding. Degree 5 (2.3e-7, exp512's) made the 4k prompt's
+// attention 4-5% slower. t = -inf gives NaN (f = -inf - -inf): callers clamp masked scores first
+// (a large negative n gives 0, flushed: attend_bf16 runs with flush-to-zero).
 inline __m512 exp2_512(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.327647129e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675541893e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212024e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000119f));
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_sub_ps(t, f);
+  __m512 p = _mm512_set1_ps(5.517134443e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.426103354e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.932609677e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999281168e-1f));
   return _mm512_scalef_ps(p, n);
 }
 
 // One row's probabilities over nk keys (a multiple of 16): p = 2^(s c - m) rounded to bf16 (two
-// vectors per convert), returning their float32 sum. Clamp: the block has masked (-inf) scores,
+// vectors per convert), returning their float32 sum in 16 lanes. Clamp: the block has masked (-inf) scores,
 // lifted to -256 so that exp2_512 never sees -inf (2^-256 flushes to 0: attend_bf16 runs with
 // flush-to-zero).
 template <bool Clamp>
-inline float exp_row_bf16(Bits* p, const float* s, int64_t nk, float c, float m) {
+inline __m512 exp_row_bf16(Bits* p, const float* s, int64_t nk, float c, float m) {
   const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(m), floor = _mm512_set1_ps(-256.f);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   int64_t j = 0;
@@ -598,18 +603,18 @@ inline float exp_row_bf16(Bits* p, const float* s, int64_t nk, float c, float m)
     sum0 = _mm512_add_ps(sum0, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+  return _mm512_add_ps(sum0, sum1);
 }
 
 // One row of the online softmax over one key block: nk scores sr (a multiple of 16) times the
 // scale (torch's order: scale, then cap and mask; without a cap the scale is folded into the
 // exponent's factor, scale > 0 commuting with the max), masked keys -inf, become probabilities
-// rounded to bf16 in pr (the row sum l adds them unrounded, as torch's flash attention does).
-// When the block's max passes the row's reference max m by more than kLazyRescale, m moves there
-// and l is rescaled; the return value is that factor, which the caller applies to the row's
-// accumulators (1: m held). A row with every key of the block masked keeps its state (p all 0).
+// rounded to bf16 in pr (the row sum l, in kSumLanes lanes, adds them unrounded, as torch's flash
+// attention does). When the block's max passes the row's reference max m by more than
+// kLazyRescale, m moves there and l is rescaled; the return value is that factor, which the
+// caller applies to the row's accumulators (1: m held). A row with every key of the block masked keeps its state (p all 0).
 inline float softmax_row_bf16(float* sr, Bits* pr, int64_t nk, float scale, float soft_cap, bool masked, int64_t pos,
-                              int64_t k0, int64_t window, float& m, float& l) {
+                              int64_t k0, int64_t window, float& m, float* l) {
   float c = scale * kLog2e;
   if (soft_cap > 0.f) {  // the cap needs scaled scores
     for (int64_t j = 0; j < nk; ++j) sr[j] *= scale;
@@ -638,11 +643,12 @@ inline float softmax_row_bf16(float* sr, Bits* pr, int64_t nk, float scale, floa
     const float m_block = block_max * c;
     if (m != -INFINITY) {
       alpha = std::exp2(m - m_block);
-      l *= alpha;
+      _mm512_storeu_ps(l, _mm512_mul_ps(_mm512_loadu_ps(l), _mm512_set1_ps(alpha)));
     }
     m = m_block;
   }
-  l += masked ? exp_row_bf16<true>(pr, sr, nk, c, m) : exp_row_bf16<false>(pr, sr, nk, c, m);
+  const __m512 e = masked ? exp_row_bf16<true>(pr, sr, nk, c, m) : exp_row_bf16<false>(pr, sr, nk, c, m);
+  _mm512_storeu_ps(l, _mm512_add_ps(_mm512_loadu_ps(l), e));
   return alpha;
 }
 
@@ -657,7 +663,7 @@ inline void rescale_row(float* o, float alpha, int64_t d) {
 inline void store_rows_bf16(c10::BFloat16* out, const float* o, const float* l, const Chunk& c, int64_t h,
                             int64_t i0, int64_t rows, int64_t group, int64_t heads, int64_t d) {
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(l + kSumLanes * r)));
     c10::BFloat16* dst = out + (c.query_start + i0 + r / group) * heads * d + (h * group + r % group) * d;
     for (int64_t x = 0; x < d; x += 16) store16(dst + x, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + x), inv));
   }
@@ -687,7 +693,7 @@ ItemKeys begin_item(Workspace& ws, int64_t rows, const c10::BFloat16* q, int64_t
                     int64_t i0, int64_t nq, int64_t group, int64_t d, const Bits* k_packed, const Bits* v_packed,
                     int64_t window) {
   ws.m.assign(rows, -INFINITY);
-  ws.l.assign(rows, 0.f);
+  ws.l.assign(rows * kSumLanes, 0.f);
   gather_group_queries(ws.q.data(), q, q_stride, c, h, i0, nq, group, d);
   const int64_t first_pos = c.context_len - c.query_len + i0, last_pos = first_pos + nq - 1;
   return {first_pos, last_pos, k_packed + c.pack_offset + h * c.packed_keys * d,
@@ -712,7 +718,8 @@ void attend_tile_bf16(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_stri
     const bool masked = tile_crosses_an_edge(k0, nk, first_pos, last_pos, window);
     for (int64_t r = 0; r < rows; ++r) {
       const float alpha = softmax_row_bf16(ws.s.data() + r * kKeyTile, ws.p.data() + r * kKeyTile, nk, scale,
-                                           soft_cap, masked, first_pos + r / group, k0, window, ws.m[r], ws.l[r]);
+                                           soft_cap, masked, first_pos + r / group, k0, window, ws.m[r],
+                                           ws.l.data() + kSumLanes * r);
       rescale_row(ws.o.data() + r * d, alpha, d);
     }
     pv_tile_bf16(ws.o.data(), ws.p.data(), vh + (k0 - c.key_lo) * d, rows, nk, d);
@@ -899,7 +906,7 @@ struct WorkspaceAmx {
   std::vector<float> s;  // [16, kAmxBlock] one row block's scores of one key block
   std::vector<Bits> p;   // [16, kAmxBlock] their probabilities, rounded to bf16
   std::vector<float> m;  // [R] each row's reference max, in base-2 units (score x scale x log2 e)
-  std::vector<float> l;  // [R] running sum of each row's 2^(score x scale x log2 e - m)
+  std::vector<float> l;  // [R, kSumLanes] running sums of each row's 2^(score x scale x log2 e - m)
 };
 
 // attend_tile's form on AMX tiles (head_dim a multiple of 32, keys aligned to kAmxKeys): per key
@@ -930,7 +937,7 @@ void attend_tile_amx(c10::BFloat16* out, const c10::BFloat16* q, int64_t q_strid
       for (int64_t r = 0; r < live; ++r) {
         const float alpha =
             softmax_row_bf16(ws.s.data() + r * kAmxBlock, ws.p.data() + r * kAmxBlock, nk, scale, soft_cap, masked,
-                             first_pos + (r0 + r) / group, k0, window, ws.m[r0 + r], ws.l[r0 + r]);
+                             first_pos + (r0 + r) / group, k0, window, ws.m[r0 + r], ws.l.data() + kSumLanes * (r0 + r));
         rescale_row(ws.o.data() + (r0 + r) * d, alpha, d);
       }
       if (live < kAmxRows) std::fill(ws.p.data() + live * kAmxBlock, ws.p.data() + kAmxRows * kAmxBlock, Bits{0});
