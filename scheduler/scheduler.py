@@ -73,6 +73,9 @@ class Scheduler:
         self._work = StepWork()
         # Prefill seconds the step being built may still take (None: no time bound this step).
         self._prefill_time_left: float | None = None
+        # Tokens the step being built lets its first request take beyond the budget (0: none
+        # left; _head_prompt_chunk, spent by _chunk_limit).
+        self._head_chunk = 0
 
     # ---- intake -------------------------------------------------------------------------
     @property
@@ -123,6 +126,7 @@ class Scheduler:
         self._finished_ids = set()
         self._work = StepWork()
         self._prefill_time_left = self._prefill_time_budget()
+        self._head_chunk = self._head_prompt_chunk()
         budget, preempted_any = self._schedule_running(output, self.step_token_budget())
         if not preempted_any:  # admitting while evicting would thrash
             self._schedule_waiting(output, budget)
@@ -144,18 +148,20 @@ class Scheduler:
         if cfg.num_batched_tokens_per_request <= 0:
             return cfg.max_num_batched_tokens
         demand = cfg.num_batched_tokens_per_request * (len(self.running) + len(self.waiting))
-        budget = min(cfg.max_num_batched_tokens, max(cfg.min_num_batched_tokens, demand))
-        return max(budget, self._head_prompt_chunk())
+        return min(cfg.max_num_batched_tokens, max(cfg.min_num_batched_tokens, demand))
 
     def _head_prompt_chunk(self) -> int:
-        """The prompt first in line's remaining tokens (at most max_num_batched_tokens) when no
-        request is decoding, else 0. Such a step delays no decode, and a prompt longer than the
-        budget fills every step alone until it is done (requests are served in order), so taking it
-        in one chunk makes no other request wait longer, while chunking it would cost it more
-        passes at a poorer GEMM row count and more re-reads of its own cached K/V. Measured
-        in-process on the 2-core Xeon, default model, bf16: a lone 4,096-token prompt's first token
-        in 1.10-1.24 s against 1.47-1.48 s in chunks of the 512-token floor. Prompts shorter than
-        the budget keep it, so a burst of short prompts still gets its first tokens in small steps."""
+        """How many tokens the prompt first in line may take this step beyond the budget: its
+        remaining tokens (at most max_num_batched_tokens) when no request is decoding, else 0.
+        Such a step delays no decode, and a prompt longer than the budget fills every step alone
+        until it is done (requests are served in order), so taking it in one chunk makes no other
+        request wait longer, while chunking it would cost it more passes at a poorer GEMM row
+        count and more re-reads of its own cached K/V. Measured in-process on the 2-core Xeon,
+        default model, bf16: a lone 4,096-token prompt's first token in 1.10-1.24 s against
+        1.47-1.48 s in chunks of the 512-token floor. Only that prompt gets it (_chunk_limit): the
+        requests after it share what is left of the budget, so a burst of short prompts still gets
+        its first tokens in small steps, and a prompt whose prefix is cached takes only its
+        uncached tokens without widening the step for the others."""
         if any(self._is_decoding(r) for r in self.running):
             return 0
         head = self.running[0] if self.running else self.waiting[0] if self.waiting else None
@@ -177,6 +183,12 @@ class Scheduler:
             return None
         decode_s = self.step_cost.predict(StepWork(len(decodes), sum(r.num_tokens for r in decodes)))
         return max(cfg.min_step_time_target_s, cfg.max_decode_slowdown * decode_s) - decode_s
+
+    def _chunk_limit(self, budget: int) -> int:
+        """Most tokens the request scheduled next may take: the budget left, or for the step's
+        first request (the prompt first in line) its head allowance where that is larger."""
+        limit, self._head_chunk = max(budget, self._head_chunk), 0
+        return limit
 
     def _fit_prefill(self, request: Request, num_new: int) -> int:
         """num_new cut to the step's prefill time left (decodes pass untouched), and charged to it."""
@@ -203,7 +215,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._fit_prefill(request, min(request.num_tokens - request.num_computed_tokens, budget))
+            num_new = self._fit_prefill(request, min(request.num_tokens - request.num_computed_tokens,
+                                                     self._chunk_limit(budget)))
             if num_new == 0:  # a prompt chunk with no time left this step: the decodes after it go on
                 index += 1
                 continue
@@ -228,7 +241,7 @@ class Scheduler:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_hit_tokens
-            num_new = self._fit_prefill(request, min(request.num_tokens - num_hit_tokens, budget))
+            num_new = self._fit_prefill(request, min(request.num_tokens - num_hit_tokens, self._chunk_limit(budget)))
             new_block_ids = self.kv.allocate_slots(request, num_new, hit_blocks) if num_new else None
             if new_block_ids is None:
                 request.num_computed_tokens = 0

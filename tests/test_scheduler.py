@@ -117,17 +117,51 @@ def test_a_long_prompt_first_in_line_takes_whole_steps_unless_a_request_decodes(
                            num_batched_tokens_per_request=2, max_num_seqs=4)
     runner = FakeRunner.for_scheduler(sched)
     first, second = add_requests(sched, make_request(100, max_tokens=20), make_request(40, max_tokens=2))
-    assert sched.step_token_budget() == 64
+    assert sched.step_token_budget() == 8  # the load's budget; only the first prompt goes past it
     a = step(sched, runner)
     assert (a.scheduled(first.request_id), a.scheduled(second.request_id)) == (64, 0)
-    b = step(sched, runner)  # the first prompt's last 36 tokens: the step is widened to them only
+    b = step(sched, runner)  # the first prompt's last 36 tokens: more than the budget, none left
     assert (b.scheduled(first.request_id), b.scheduled(second.request_id)) == (36, 0)
     assert len(b.new_tokens(first.request_id)) == 1
-    # Now the first decodes: the second's remaining 12 tokens wait behind the load's budget (8,
-    # one decode and 7 prompt tokens), as a decode must not stall behind a large chunk.
-    assert sched.step_token_budget() == 8
+    # Now the first decodes: the second prompt is cut to the load's budget (8: one decode and 7
+    # prompt tokens), as a decode must not stall behind a large chunk.
     c = step(sched, runner)
     assert (c.scheduled(first.request_id), c.scheduled(second.request_id)) == (1, 7)
+    run_until_done(sched, runner)
+    assert_drained(sched, runner)
+
+
+def test_a_prompt_first_in_line_widens_only_its_own_chunk():
+    # Floor 16, 2 tokens per request, cap 64, nothing decoding. The first prompt in line (10
+    # tokens) is shorter than the budget: the step keeps the budget, so the 30-token prompt behind
+    # it gets the 6 tokens left, not its whole remainder.
+    sched = make_scheduler(max_num_batched_tokens=64, min_num_batched_tokens=16,
+                           num_batched_tokens_per_request=2, max_num_seqs=4)
+    runner = FakeRunner.for_scheduler(sched)
+    short, long = add_requests(sched, make_request(10, max_tokens=1), make_request(30, max_tokens=1))
+    a = step(sched, runner)
+    assert (a.scheduled(short.request_id), a.scheduled(long.request_id)) == (10, 6)
+    # The short one is done, nothing decodes: the long one is first in line and takes its 24 left.
+    b = step(sched, runner)
+    assert b.scheduled(long.request_id) == 24
+    assert not sched.has_unfinished_requests()
+    assert_drained(sched, runner)
+
+
+def test_a_cached_prompt_first_in_line_does_not_widen_the_step_for_the_prompts_behind_it():
+    # Floor 8, cap 64, blocks of 4. A 40-token prompt runs once, so a repeat finds 36 tokens
+    # cached and computes 4; the 30-token prompt behind it gets what is left of the budget of 8
+    # (4), not what the repeat's whole length would have opened.
+    sched = make_scheduler(max_num_batched_tokens=64, min_num_batched_tokens=8, num_batched_tokens_per_request=2,
+                           block_size=4, max_num_seqs=4)
+    runner = FakeRunner.for_scheduler(sched)
+    prompt = make_prompt(40)
+    add_requests(sched, make_request(prompt, max_tokens=1))
+    run_until_done(sched, runner)
+    repeat, other = add_requests(sched, make_request(prompt, max_tokens=1), make_request(30, max_tokens=1))
+    a = step(sched, runner)
+    assert repeat.num_cached_prompt_tokens == 36
+    assert (a.scheduled(repeat.request_id), a.scheduled(other.request_id)) == (4, 4)
     run_until_done(sched, runner)
     assert_drained(sched, runner)
 
