@@ -57,8 +57,8 @@ class TpserveConfig(BaseModel):
     # waiting), between min_num_batched_tokens and max_num_batched_tokens; 0 = always the max.
     # Few requests: small prefill chunks, an earlier first token for each prompt (a chunk's prompts
     # all wait for the whole step); many: large chunks, fewer passes over the running decodes
-    # (scheduler/scheduler.py, Scheduler.step_token_budget). While nothing decodes, a step may
-    # take the first prompt in line's remaining tokens whole, up to the max (_head_prompt_chunk).
+    # (scheduler/scheduler.py, Scheduler.step_token_budget). While nothing decodes, the first
+    # prompt in line alone may take its remaining tokens whole, up to the max (_head_prompt_chunk).
     num_batched_tokens_per_request: int = Field(default=32, ge=0)
     # Floor of that budget (a step of fewer prefill tokens runs the GEMMs at a poor M); capped
     # by max_num_batched_tokens.

@@ -28,8 +28,8 @@ class SchedulerConfig:
     sliding_window: int | None = None
     # Budget that grows with the load (see Scheduler.step_token_budget): this many tokens per
     # request in the engine (running + waiting), at least min_num_batched_tokens, at most
-    # max_num_batched_tokens (or, while nothing decodes, the first prompt in line's remaining
-    # tokens, up to the max). 0 = every step gets max_num_batched_tokens.
+    # max_num_batched_tokens (while nothing decodes, the first prompt in line alone may go past it,
+    # up to the max: Scheduler._head_prompt_chunk). 0 = every step gets max_num_batched_tokens.
     num_batched_tokens_per_request: int = 0
     # Floor of that budget (ignored where it exceeds max_num_batched_tokens).
     min_num_batched_tokens: int = 0
