@@ -316,18 +316,15 @@ constexpr int64_t kPrefetchAhead = 32;
 // 18.3. Either prefetch alone, at any distance or hint, had been tried without a gain.
 constexpr int64_t kPrefetchL2Ahead = 128;
 
-// always_inline: GCC 12 counts a prefetch as no side effect, so a helper it did not inline early
-// was found pure and its calls deleted (none of these prefetches reached the object file).
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_row_l1(const T* row, int64_t d) {
+// Every cache line of one row (d elements) into the cache level `Hint` names (_MM_HINT_T0: L1,
+// _MM_HINT_T1: L2; the hint's type is GCC's enum, an int elsewhere). always_inline: GCC 12 counts
+// a prefetch as no side effect, so a helper it did not inline early was found pure and its calls
+// deleted (none of these prefetches reached the object file).
+template <decltype(_MM_HINT_T0) Hint, typename T>
+__attribute__((always_inline)) inline void prefetch_row(const T* row, int64_t d) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-}
-
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_row_l2(const T* row, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64)
+    _mm_prefetch(p + off, Hint);
 }
 
 // The rows of `count` tokens from t + kPrefetchAhead into L1 and from t + kPrefetchL2Ahead into
@@ -335,9 +332,9 @@ __attribute__((always_inline)) inline void prefetch_row_l2(const T* row, int64_t
 template <typename RowAt>
 __attribute__((always_inline)) inline void prefetch_ahead(const RowAt& row_at, int64_t t, int64_t count, int64_t len, int64_t d) {
   for (int64_t i = t + kPrefetchAhead; i < std::min(t + kPrefetchAhead + count, len); ++i)
-    prefetch_row_l1(row_at(i), d);
+    prefetch_row<_MM_HINT_T0>(row_at(i), d);
   for (int64_t i = t + kPrefetchL2Ahead; i < std::min(t + kPrefetchL2Ahead + count, len); ++i)
-    prefetch_row_l2(row_at(i), d);
+    prefetch_row<_MM_HINT_T1>(row_at(i), d);
 }
 
 #endif
