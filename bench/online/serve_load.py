@@ -26,8 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import httpx
-
+from bench.online.sse_client import HTTPProtocolError, StreamingClient
 from bench.workload import BenchRequest, file_requests, load_tokenizer, random_requests
 
 MAX_PROMPTS = 10_000  # a load test of a local server never needs more; keeps a typo bounded
@@ -83,14 +82,12 @@ def build_requests(cfg: LoadConfig) -> list[BenchRequest]:
     )
 
 
-async def fetch_model(client: httpx.AsyncClient, base_url: str) -> str:
-    r = await client.get(f"{base_url}/v1/models")
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+async def fetch_model(client: StreamingClient) -> str:
+    return (await client.get_json("/v1/models"))["data"][0]["id"]
 
 
 async def one_request(
-    client: httpx.AsyncClient, cfg: LoadConfig, model: str, req: BenchRequest
+    client: StreamingClient, cfg: LoadConfig, model: str, req: BenchRequest
 ) -> RequestResult:
     payload = {
         "model": model,
@@ -107,37 +104,33 @@ async def one_request(
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream(
-            "POST", f"{cfg.base_url}/v1/completions", json=payload, timeout=cfg.request_timeout_s
-        ) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")[:200]
-                res.error = f"HTTP {resp.status_code}: {body}"
+        # The events are timed as they arrive and parsed only once the response has ended, so
+        # the client spends next to nothing per token while the server works (sse_client.py).
+        response = await client.request("POST", "/v1/completions", payload, timeout_s=cfg.request_timeout_s)
+        # Until the last event arrived (the stream's end: [DONE] for OpenAI-style servers).
+        res.e2e = (response.events[-1][0] if response.events else time.perf_counter()) - start
+        if response.status != 200:
+            res.error = f"HTTP {response.status}: {response.body.decode(errors='replace')[:200]}"
+            return res
+        for now, data in response.events:
+            if data == b"[DONE]":
+                break
+            msg = json.loads(data)
+            if msg.get("error"):
+                res.error = str(msg["error"])[:200]
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, keep-alives
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                now = time.perf_counter()  # arrival time of this chunk, taken before any more work
-                if msg.get("error"):
-                    res.error = str(msg["error"])[:200]
-                    return res
-                choices = msg.get("choices") or []
-                if choices and choices[0].get("text"):
-                    if chunks == 0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    chunks += 1
-                if usage := msg.get("usage"):
-                    res.output_tokens = usage.get("completion_tokens") or 0
-                    res.prompt_tokens = usage.get("prompt_tokens") or res.prompt_tokens
-        res.e2e = time.perf_counter() - start
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+            choices = msg.get("choices") or []
+            if choices and choices[0].get("text"):
+                if chunks == 0:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+                chunks += 1
+            if usage := msg.get("usage"):
+                res.output_tokens = usage.get("completion_tokens") or 0
+                res.prompt_tokens = usage.get("prompt_tokens") or res.prompt_tokens
+    except (HTTPProtocolError, json.JSONDecodeError, OSError, TimeoutError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
         return res
     if chunks == 0:
@@ -218,11 +211,9 @@ async def run_load(cfg: LoadConfig) -> dict:
     cfg.base_url = cfg.base_url.rstrip("/").removesuffix("/v1")
     requests = build_requests(cfg)
     limit = cfg.max_concurrency or len(requests) or 1
-    # trust_env=False: a proxy from the environment must never sit between us and a local server.
-    async with httpx.AsyncClient(
-        trust_env=False, limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    ) as client:
-        model = cfg.model or await fetch_model(client, cfg.base_url)
+    # Straight to the server: no proxy from the environment sits in between.
+    async with StreamingClient(cfg.base_url) as client:
+        model = cfg.model or await fetch_model(client)
         for req in requests[: cfg.warmup]:
             r = await one_request(client, cfg, model, BenchRequest(req.prompt, req.prompt_len, 4))
             if not r.ok:

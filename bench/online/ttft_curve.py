@@ -15,9 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import httpx
-
 from bench.online.serve_load import LoadConfig, RequestResult, fetch_model, one_request, percentile, request_tpot
+from bench.online.sse_client import StreamingClient
 from bench.workload import BenchRequest, exact_length_text, word_token_ids
 
 # Seeds of the curve's texts: far from serve_compare's level seeds (seed + 1000 x streams + ...).
@@ -82,8 +81,8 @@ async def run_curve(base_url: str, warmup: BenchRequest, prompts: list[CurveProm
     """Send the warm-up, then every prompt one at a time; the per-length summary."""
     cfg = LoadConfig(base_url=base_url.rstrip("/").removesuffix("/v1"), ignore_eos=True,
                      request_timeout_s=spec.request_timeout_s)
-    async with httpx.AsyncClient(trust_env=False) as client:
-        model = await fetch_model(client, cfg.base_url)
+    async with StreamingClient(cfg.base_url) as client:
+        model = await fetch_model(client)
         first = await one_request(client, cfg, model, warmup)
         if not first.ok:
             raise RuntimeError(f"curve warm-up request failed: {first.error}")
