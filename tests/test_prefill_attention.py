@@ -110,8 +110,21 @@ def test_prefill_kernel_matches_the_sdpa_path(dtype, head_dim, heads, kv_heads, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_kernel_matches_the_sdpa_path_with_windows_and_soft_caps(window, soft_cap, head_dim, dtype):
     # bf16 without a soft cap: the SDPA path pads rows (attention.SDPA_ROW_ALIGN), masks included.
-    reference, kernel = _both_paths(dtype, 6, 2, head_dim, [(150, 150), (40, 250), (3, 90)], window, soft_cap)
-    _assert_close(kernel, reference)
+    chunks = [(150, 150), (40, 250), (3, 90)]
+    reference, kernel = _both_paths(dtype, 6, 2, head_dim, chunks, window, soft_cap)
+    if dtype == torch.bfloat16:
+        _assert_close(kernel, reference)
+        return
+    # float32: each path against the float64 reference instead of one against the other. The
+    # soft-capped SDPA path is eager torch (matmul, tanh, softmax), and its matmuls are not
+    # bit-stable: in about one process in six its first call came out up to 1.2e-4 from
+    # exact where every later call, and the kernel, stayed within 1e-6 (2-core Xeon, 2026-12-05).
+    q, k, v, k_cache, v_cache, meta = _step(dtype, 6, 2, head_dim, chunks)
+    TORCH.attention(q, k, v, k_cache, v_cache, meta(False), head_dim ** -0.5, window, soft_cap)  # writes this step's K/V
+    exact = _exact_attention(q, k_cache, v_cache, meta(True).prefills, head_dim ** -0.5, window, soft_cap)
+    exact = exact.reshape(kernel.shape).float()
+    _assert_close(kernel, exact)
+    torch.testing.assert_close(reference, exact, rtol=5e-4, atol=5e-4)
 
 
 @pytest.mark.parametrize("chunks", [[(466, 466)], [(3, 3), (457, 457)], [(200, 466), (31, 95)], [(33, 33)]],
