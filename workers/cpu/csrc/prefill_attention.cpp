@@ -282,10 +282,17 @@ inline void pv_tile_portable(float* o, const float* p, const float* alpha, const
 inline float softmax_tile_row(float* s, int64_t nk, float& m, float& l) {
   float tile_max = -INFINITY;
   int64_t j = 0;
+#if defined(TPSERVE_PREFILL_F32_512)
+  // 16 lanes where the tiles are 512-bit: at 8 lanes the softmax held the AVX-512 float32 kernel
+  // back (1.11-1.19x faster with it at 16, 2-core Xeon; docs/cpu-kernels.md, prefill attention).
+  __m512 mx16 = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= nk; j += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(s + j));
+  tile_max = _mm512_reduce_max_ps(mx16);
+#endif
 #if defined(TPSERVE_AVX2)
   __m256 mx = _mm256_set1_ps(-INFINITY);
   for (; j + 8 <= nk; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
-  tile_max = hmax8(mx);
+  tile_max = std::max(tile_max, hmax8(mx));
 #endif
   for (; j < nk; ++j) tile_max = std::max(tile_max, s[j]);
   if (tile_max == -INFINITY) {
@@ -296,6 +303,19 @@ inline float softmax_tile_row(float* s, int64_t nk, float& m, float& l) {
   const float alpha = m == -INFINITY ? 0.f : std::exp(m - m_new);
   float sum = 0.f;
   j = 0;
+#if defined(TPSERVE_PREFILL_F32_512)
+  const __m512 mv16 = _mm512_set1_ps(m_new);
+  __m512 sv16 = _mm512_setzero_ps();
+  for (; j + 16 <= nk; j += 16) {
+    const __m512 x = _mm512_loadu_ps(s + j);
+    // exp512 clamps its input, so a masked key would weigh e^-104, not 0: zero it.
+    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                         exp512(_mm512_sub_ps(x, mv16)));
+    _mm512_storeu_ps(s + j, e);
+    sv16 = _mm512_add_ps(sv16, e);
+  }
+  sum = _mm512_reduce_add_ps(sv16);
+#endif
 #if defined(TPSERVE_AVX2)
   const __m256 mv = _mm256_set1_ps(m_new), neg_inf = _mm256_set1_ps(-INFINITY);
   __m256 sv = _mm256_setzero_ps();
@@ -306,7 +326,7 @@ inline float softmax_tile_row(float* s, int64_t nk, float& m, float& l) {
     _mm256_storeu_ps(s + j, e);
     sv = _mm256_add_ps(sv, e);
   }
-  sum = hsum8(sv);
+  sum += hsum8(sv);
 #endif
   for (; j < nk; ++j) {
     s[j] = s[j] == -INFINITY ? 0.f : std::exp(s[j] - m_new);
