@@ -174,6 +174,8 @@ def test_malformed_responses_and_timeouts():
         run(one([b"SSH-2.0-OpenSSH\r\n\r\n"]))
     with pytest.raises(HTTPProtocolError, match="chunk size"):
         run(one([SSE_HEAD + b"zz\r\n"]))
+    with pytest.raises(HTTPProtocolError, match="Content-Length"):
+        run(one([b"HTTP/1.1 200 OK\r\ncontent-length: ten\r\n\r\n"]))
     with pytest.raises(TimeoutError):  # the head never ends
         run(one([b"HTTP/1.1 200 OK\r\n", b"x-slow: 1\r\n"], timeout_s=0.05))
 

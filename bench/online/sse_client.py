@@ -54,7 +54,9 @@ class _ResponseReader(asyncio.Protocol):
         self._events_buf = b""  # decoded body bytes of an event stream not yet ending in a blank line
         self._body_parts: list[bytes] = []
         self._chunked = False
-        self._chunk_left = -1  # bytes of the current chunk still to come; -1: a size line is due
+        # Bytes of the current chunk still to come; -1: a size line is due, -2: the CRLF closing a
+        # chunk's data, -3: trailers after the last chunk, up to a blank line.
+        self._chunk_left = -1
         self._length_left: int | None = None  # Content-Length still to come; None: until close
         self.keep_alive = True
 
@@ -120,6 +122,8 @@ class _ResponseReader(asyncio.Protocol):
         self._is_events = headers.get("content-type", "").startswith("text/event-stream")
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         if not self._chunked and "content-length" in headers:
+            if not headers["content-length"].isdigit():
+                raise HTTPProtocolError(f"bad Content-Length: {headers['content-length'][:40]!r}")
             self._length_left = int(headers["content-length"])
         connection = headers.get("connection", "").lower()
         self.keep_alive = parts[0] != "HTTP/1.0" and "close" not in connection
