@@ -43,9 +43,10 @@ class _ResponseReader(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False  # the connection is gone (by either side)
-        self._reset(None)
+        self.expect(None)
 
-    def _reset(self, done: asyncio.Future | None) -> None:
+    def expect(self, done: asyncio.Future | None) -> None:
+        """Start reading the next response: `done` gets it (None: no request is out yet)."""
         self._done = done  # resolved with the StreamedResponse when the response has ended
         self._buf = b""  # undecoded bytes (head, or chunked framing not yet complete)
         self.head_seen = False  # this response's status line and headers have arrived
@@ -59,9 +60,6 @@ class _ResponseReader(asyncio.Protocol):
         self._chunk_left = -1
         self._length_left: int | None = None  # Content-Length still to come; None: until close
         self.keep_alive = True
-
-    def expect(self, done: asyncio.Future) -> None:
-        self._reset(done)
 
     # ---- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
