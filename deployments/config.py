@@ -150,11 +150,13 @@ class TpserveConfig(BaseModel):
     # on a Zen 3 EPYC every batch: 1.5-1.7x oneDNN's speed at 1-16 rows, 1.17x at 512-2048),
     # bf16 on CPUs with AMX amx_linear up to 64 rows (1.3-1.9x at 1-32 rows on a Xeon), bf16 with
     # AVX512-BF16 only panel_linear on bf16 panels for as many rows as it was timed faster (1.4-1.7x
-    # oneDNN on a Xeon's avx512_bf16 build), else skinny_linear up to 8 rows (workers/cpu/linear.py).
+    # oneDNN on a Xeon's avx512_bf16 build; on a Zen 4 its vdpbf16ps k-pair panels, every batch,
+    # 1.1-1.5x), else skinny_linear up to 8 rows (workers/cpu/linear.py).
     # Off = oneDNN's packed GEMM only.
     cpu_small_batch_linear: bool = True
-    # CPU, float32: prefill chunks through the kernels' flash attention, which reads the paged
-    # KV cache in place (1.5-3x torch's SDPA at 200-1000-token prompts on a 2-core AMD EPYC;
+    # CPU: prefill chunks through the kernels' flash attention, which reads the paged KV cache in
+    # place (float32 1.5-3x torch's SDPA at 200-1000-token prompts on a 2-core AMD EPYC; bf16 on
+    # AMX, and on AVX512-BF16 where timed faster at load, 2.9-4.6x on a Zen 4;
     # workers/cpu/csrc/prefill_attention.cpp). Off = torch's SDPA per chunk.
     cpu_prefill_attention: bool = True
     # CPU, one rank, Llama-style layers: the decoder's layer loop runs as one call into the

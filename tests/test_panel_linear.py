@@ -2,8 +2,9 @@
 count its register tiles split into (AVX2: 1-6 rows and every remainder past a tile of 6; AVX-512:
 1-12 and every remainder past a tile of 12), odd K, an odd number of panels (AVX-512 takes them two
 at a time), strided rows and biases; bf16 panels (AVX512-BF16 builds) against a float32 sum rounded
-once; the panel packing; refusals; linear() routing; prepack_linears' panel copies; the calibration
-against oneDNN at load; an engine's tokens with the kernel on and off, float32 and bf16."""
+once; bf16 k-pair panels (vdpbf16ps) likewise; the panel packing; refusals; linear() routing;
+prepack_linears' panel copies; the calibration against oneDNN at load and of the two bf16 forms;
+an engine's tokens with the kernel on and off, float32, bf16 panels and bf16 pairs."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 from engine_helpers import greedy, make_engine, run_engine
 from model_fixtures import make_tiny_llama
 from workers.cpu import kernels as cpu_ops
-from workers.cpu.linear import (LAYOUT_PANEL, PANEL_ALL_ROWS, PANEL_PROBES, calibrate_panel_rows, can_prepack,
-                                choose_panel_rows, linear, prepack_linears)
+from workers.cpu.linear import (LAYOUT_PAIRS, LAYOUT_PANEL, PANEL_ALL_ROWS, PANEL_PROBES, calibrate_panel_rows,
+                                can_prepack, choose_panel_rows, linear, pair_panels_win, prepack_linears)
 from workers.model.decoder import build_model
 from workers.model.config import ModelConfig
 from workers.distributed.parallel_state import SINGLE_RANK
@@ -60,6 +61,46 @@ def test_bf16_panels_give_the_float32_sum_rounded_once(rows, k, n, bias):
     got = _panel(x, w, b)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, expected)
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize("rows", [*range(1, 26), 64, 301])
+@pytest.mark.parametrize("k, n", [(576, 960), (2, 32), (1536, 16), (64, 80)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_pair_panels_give_the_float32_sum_rounded_once(rows, k, n, bias):
+    """The vdpbf16ps tiles: the same reference as the widened panels, at every row count their
+    tiles split into (1-12, each remainder past 12, many tiles), K of one pair up to 768 pairs, N
+    of one panel, five (an odd one left over) or many."""
+    torch.manual_seed(rows * 1000 + k + n)
+    x, w = torch.randn(rows, k).bfloat16(), (torch.randn(n, k) / k**0.5).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    expected = (x.float() @ w.float().t() + (b.float() if bias else 0)).bfloat16()
+    got = torch.ops.tpserve_cpu.panel_linear(x, torch.ops.tpserve_cpu.panel_pack_weight(w, True), b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected)
+
+
+@needs_bf16_panels
+def test_pair_panels_take_strided_rows():
+    torch.manual_seed(3)
+    w = (torch.randn(48, 64) / 8).bfloat16()
+    pairs = torch.ops.tpserve_cpu.panel_pack_weight(w, True)
+    for count in (3, 13):
+        rows = torch.randn(count, 101).bfloat16()[:, 7:71]  # rows 101 values apart, odd offsets
+        expected = (rows.float() @ w.float().t()).bfloat16()
+        torch.testing.assert_close(torch.ops.tpserve_cpu.panel_linear(rows, pairs, None), expected)
+
+
+def test_pair_packing_interleaves_each_k_pair_of_sixteen_outputs():
+    w = torch.arange(32 * 6, dtype=torch.float32).view(32, 6).bfloat16()  # exact in bf16
+    packed = torch.ops.tpserve_cpu.panel_pack_weight(w, True)
+    assert packed.shape == (2, 3, 32) and packed.dtype == torch.bfloat16
+    # packed[p][i][2j + e] = W[16p + j][2i + e]
+    assert torch.equal(packed, w.view(2, 16, 3, 2).transpose(1, 2).reshape(2, 3, 32))
+    with pytest.raises(RuntimeError, match="even K"):
+        torch.ops.tpserve_cpu.panel_pack_weight(torch.randn(32, 7).bfloat16(), True)
+    with pytest.raises(RuntimeError, match="even K"):
+        torch.ops.tpserve_cpu.panel_pack_weight(torch.randn(32, 8), True)
 
 
 @needs_bf16_panels
@@ -194,8 +235,9 @@ def test_bf16_engines_without_amx_take_bf16_panels_and_keep_their_tokens(tmp_pat
 
     real_ops = cpu_ops.ops()
     monkeypatch.setattr(workers.worker.kernels, "ops", lambda: _OpsWithoutAmx(real_ops))
+    monkeypatch.setattr(workers.worker, "pair_panels_win", lambda shapes: False)
     monkeypatch.setattr(workers.worker, "calibrate_panel_rows",
-                        lambda shapes, dtype=torch.float32: (16, ()) if dtype == torch.bfloat16 else (0, ()))
+                        lambda shapes, dtype=torch.float32, pairs=False: (16, ()) if dtype == torch.bfloat16 else (0, ()))
     path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=True)
     prompts = {f"r{i}": (list(range(3 + i, 40 + 7 * i)), greedy(12)) for i in range(4)}
     engines = [make_engine(path, dtype="bfloat16", cpu_small_batch_linear=on) for on in (False, True)]
@@ -205,6 +247,54 @@ def test_bf16_engines_without_amx_take_bf16_panels_and_keep_their_tokens(tmp_pat
     outputs = [run_engine(e, prompts) for e in engines]
     assert outputs[0] == outputs[1]
     assert all(len(tokens) == 12 for tokens in outputs[1].values())
+
+
+@needs_bf16_panels
+def test_bf16_engines_on_pair_panels_keep_their_tokens(tmp_path, monkeypatch):
+    """Where pair panels win at load (forced here) a bf16 engine without AMX gives every
+    projection a k-pair copy, no oneDNN copy where they take every batch, and greedy-decodes the
+    tokens of an engine on oneDNN alone."""
+    import workers.worker
+
+    real_ops = cpu_ops.ops()
+    monkeypatch.setattr(workers.worker.kernels, "ops", lambda: _OpsWithoutAmx(real_ops))
+    monkeypatch.setattr(workers.worker, "pair_panels_win", lambda shapes: True)
+    monkeypatch.setattr(workers.worker, "calibrate_panel_rows",
+                        lambda shapes, dtype=torch.float32, pairs=False: (PANEL_ALL_ROWS if pairs else 0, ()))
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=True)
+    prompts = {f"r{i}": (list(range(3 + i, 40 + 7 * i)), greedy(12)) for i in range(4)}
+    engines = [make_engine(path, dtype="bfloat16", cpu_small_batch_linear=on) for on in (False, True)]
+    layers = [m for m in engines[1].executor.worker.model.modules() if hasattr(m, "packed_weight")]
+    assert {m.small_batch_rows for m in layers} == {PANEL_ALL_ROWS}
+    assert {m.small_batch_weight.size(2) for m in layers} == {32}
+    assert {m.packed_weight is None for m in layers} == {True}
+    outputs = [run_engine(e, prompts) for e in engines]
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 12 for tokens in outputs[1].values())
+
+
+@needs_bf16_panels
+def test_prepack_makes_pair_copies(tmp_path):
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=False)
+    model = build_model(ModelConfig.from_pretrained(path), SINGLE_RANK, torch.bfloat16)
+    model.load_weights(path)
+    down = model.layers[0].mlp.down_proj.weight.detach().clone()
+    prepack_linears(model, small_batch_rows=16, layout=LAYOUT_PAIRS)
+    layer = model.layers[0].mlp.down_proj
+    assert torch.equal(layer.small_batch_weight, torch.ops.tpserve_cpu.panel_pack_weight(down, True))
+    assert layer.packed_weight is not None and layer.weight.numel() == 0  # oneDNN serves above 16 rows
+    x = torch.randn(5, down.size(1)).bfloat16()
+    torch.testing.assert_close(layer(x), (x.float() @ down.float().t()).bfloat16())
+
+
+@needs_bf16_panels
+def test_the_bf16_form_is_timed_once_per_set_of_shapes():
+    shapes = ((64, 96), (32, 48))
+    won = pair_panels_win(shapes)
+    assert isinstance(won, bool) and pair_panels_win(shapes) is won
+    rows, timings = calibrate_panel_rows(shapes, torch.bfloat16, True)
+    assert timings and all(panel > 0 and onednn > 0 for _, panel, onednn in timings)
+    assert rows == choose_panel_rows({m: a <= b for m, a, b in timings})
 
 
 def test_calibration_keeps_the_kernel_up_to_the_first_probe_it_loses():
@@ -237,3 +327,13 @@ def test_projection_kernels_bench_reports_both_kernels_per_row_count():
     for row in out.values():
         assert row["panel_linear"]["gflops"] > 0 and row["onednn"]["gflops"] > 0
         assert row["onednn_over_panel_time"] > 0
+
+
+@needs_bf16_panels
+def test_projection_kernels_bench_times_both_bf16_forms():
+    from bench.kernels.projection_kernels import time_kernels
+
+    out = time_kernels([5], layers=2, repeats=1, shapes=((256, 256), (128, 256)), dtype=torch.bfloat16)
+    row = out["5"]
+    assert {"panel_linear", "pair_panels", "onednn"} <= set(row)
+    assert row["pair_panels"]["gflops"] > 0 and row["onednn_over_pairs_time"] > 0

@@ -14,8 +14,8 @@ import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cpu import kernels
-from workers.cpu.linear import (LAYOUT_AMX, LAYOUT_PANEL, LAYOUT_PLAIN, calibrate_panel_rows, can_prepack,
-                                packable_in_sixteens, prepack_linears)
+from workers.cpu.linear import (LAYOUT_AMX, LAYOUT_PAIRS, LAYOUT_PANEL, LAYOUT_PLAIN, calibrate_panel_rows,
+                                can_prepack, packable_in_sixteens, pair_panels_win, prepack_linears)
 from workers.runner.cuda_graph import CudaGraphRunner, make_graph_runner
 from workers.runner.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, gpu_kv_budget, kv_spec_for,
                                      max_model_len_for_blocks, num_blocks_for_budget)
@@ -69,13 +69,15 @@ class WorkerConfig:
     # fail at load, "off" torch ops (workers/model/backend.py).
     cpu_kernels: str = "auto"
     # CPU, with prepacking and the kernels: batches of up to as many rows as panel_linear was
-    # timed faster than oneDNN at load (float32, on a copy of each weight in panels; on a Zen 3
-    # every batch), 64 (bf16 with AMX: amx_linear on an AMX tile copy) or 8 (bf16 with
-    # AVX512-BF16 only: skinny_linear on the plain weight) run tpserve's own kernel
-    # (workers/cpu/linear.py).
+    # timed faster than oneDNN at load (float32 on a copy of each weight in panels, on a Zen 3
+    # every batch; bf16 with AVX512-BF16 but no AMX on bf16 panels or, where vdpbf16ps is timed
+    # faster, k-pair panels, on a Zen 4 every batch), 64 (bf16 with AMX: amx_linear on an AMX
+    # tile copy), else 8 (bf16 with AVX512-BF16 only: skinny_linear on the plain weight) run
+    # tpserve's own kernel (workers/cpu/linear.py).
     cpu_small_batch_linear: bool = True
-    # CPU, float32, with the kernels: prefill chunks through the kernels' flash attention over
-    # the paged cache (workers/cpu/csrc/prefill_attention.cpp) instead of torch's SDPA.
+    # CPU, with the kernels: prefill chunks through the kernels' flash attention over the paged
+    # cache (workers/cpu/csrc/prefill_attention.cpp) instead of torch's SDPA, in the dtypes and on
+    # the CPUs where workers/attention/paged.py prefill_kernel_serves says it is faster.
     cpu_prefill_attention: bool = True
     # CPU, one rank, with the kernels: the layer loop as one call into them for the models it
     # serves (workers/model/cpu_layer_stack.py).
@@ -124,8 +126,12 @@ class WorkerCore:
         start = time.perf_counter()
         cfg = self.config
         bind_device(self.device)
+        mc, ranks = self.model_config, self.tp.world_size
+        # This rank's attention heads (KV heads replicated, one a rank, where fewer than the ranks).
+        heads = (mc.num_attention_heads // ranks, max(1, mc.num_key_value_heads // ranks), mc.head_dim)
         self.backend = select_backend(self.device, cfg.dtype, cfg.cpu_kernels,
-                                      prefill_attention=cfg.cpu_prefill_attention, layer_stack=cfg.cpu_layer_stack)
+                                      prefill_attention=cfg.cpu_prefill_attention, layer_stack=cfg.cpu_layer_stack,
+                                      heads=heads)
         with torch.device(self.device):
             model = build_model(self.model_config, self.tp, cfg.dtype, max_positions=cfg.max_model_len,
                                 backend=self.backend)
@@ -174,9 +180,11 @@ class WorkerCore:
             if amx_rows and packable_in_sixteens(model):
                 return amx_rows, LAYOUT_AMX
             if shapes and ops.panel_linear_bf16_available() and packable_in_sixteens(model):
-                panel_rows = calibrate_panel_rows(shapes, torch.bfloat16)[0]
+                # vdpbf16ps pair panels where this CPU runs them faster than the widened ones.
+                pairs = packable_in_sixteens(model, pairs=True) and pair_panels_win(shapes)
+                panel_rows = calibrate_panel_rows(shapes, torch.bfloat16, pairs)[0]
                 if panel_rows:
-                    return panel_rows, LAYOUT_PANEL
+                    return panel_rows, LAYOUT_PAIRS if pairs else LAYOUT_PANEL
             return int(ops.skinny_linear_max_rows_bf16()), LAYOUT_PLAIN  # 0 without AVX512-BF16
         return 0, LAYOUT_PLAIN
 

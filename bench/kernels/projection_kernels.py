@@ -1,13 +1,16 @@
-"""float32 projection kernels side by side: tpserve's panel_linear against oneDNN's prepacked GEMM,
-over the default model's projection shapes for 30 layers of distinct random weights (cache-cold,
-as in a step), alternated, fastest of `--repeats` passes per kernel and row count.
+"""Projection kernels side by side: tpserve's panel_linear against oneDNN's prepacked GEMM, over the
+default model's projection shapes for 30 layers of distinct random weights (cache-cold, as in a
+step), alternated, fastest of `--repeats` passes per kernel and row count. float32 by default;
+`--dtype bfloat16` (AVX512-BF16 builds) times both bf16 panel forms, widened (`panel_linear`,
+float32 FMAs) and k-pairs (`pair_panels`, vdpbf16ps), against oneDNN's bf16 GEMM.
 
     .venv/bin/python -m bench.kernels.projection_kernels                      # rows 1,4,8,16,32,64,256
     .venv/bin/python -m bench.kernels.projection_kernels --rows 512,1024 --layers 6
+    .venv/bin/python -m bench.kernels.projection_kernels --dtype bfloat16 --rows 1,16,64,256,512
     .venv/bin/python -m bench.kernels.projection_kernels --library OTHER.so   # another build of the kernels
 
 Prints one JSON object: per row count each kernel's ms per pass and GFLOP/s, and oneDNN's time over
-panel_linear's (> 1: panel_linear faster). The README's panel_linear table came from this loop.
+each panel form's (> 1: the panels faster). The README's panel_linear table came from this loop.
 `--library` loads that library instead of building this machine's variant: e.g. the avx2 build's
 256-bit tiles against the AVX-512 build's on one AVX-512 machine, each in its own process (both
 register torch.ops.tpserve_cpu).
@@ -26,19 +29,25 @@ import torch
 DEFAULT_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
-def time_kernels(rows: list[int], layers: int, repeats: int, shapes=DEFAULT_SHAPES) -> dict:
-    weights = [torch.randn(n, k) for _ in range(layers) for n, k in shapes]
+def time_kernels(rows: list[int], layers: int, repeats: int, shapes=DEFAULT_SHAPES,
+                 dtype: torch.dtype = torch.float32) -> dict:
+    weights = [torch.randn(n, k).to(dtype) for _ in range(layers) for n, k in shapes]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-    panels = [torch.ops.tpserve_cpu.panel_pack_weight(w) for w in weights]
+    forms = {"panel_linear": [torch.ops.tpserve_cpu.panel_pack_weight(w) for w in weights]}
+    if dtype == torch.bfloat16:
+        forms["pair_panels"] = [torch.ops.tpserve_cpu.panel_pack_weight(w, True) for w in weights]
     in_features = [k for _ in range(layers) for _, k in shapes]
     del weights
     flops_per_row = 2 * layers * sum(n * k for n, k in shapes)
     out = {}
     for m in rows:
-        xs = {k: torch.randn(m, k) for k in set(in_features)}
+        xs = {k: torch.randn(m, k).to(dtype) for k in set(in_features)}
+
+        def panel_pass(panels):
+            return lambda: [torch.ops.tpserve_cpu.panel_linear(xs[k], w, None) for w, k in zip(panels, in_features)]
+
         kernels = {
-            "panel_linear": lambda: [torch.ops.tpserve_cpu.panel_linear(xs[k], w, None)
-                                     for w, k in zip(panels, in_features)],
+            **{name: panel_pass(panels) for name, panels in forms.items()},
             "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
                                for w, k in zip(onednn, in_features)],
         }
@@ -52,6 +61,8 @@ def time_kernels(rows: list[int], layers: int, repeats: int, shapes=DEFAULT_SHAP
         out[str(m)] = {**{name: {"ms": round(1e3 * s, 2), "gflops": float(f"{flops_per_row * m / s / 1e9:.3g}")}
                           for name, s in best.items()},
                        "onednn_over_panel_time": round(best["onednn"] / best["panel_linear"], 3)}
+        if "pair_panels" in best:
+            out[str(m)]["onednn_over_pairs_time"] = round(best["onednn"] / best["pair_panels"], 3)
     return out
 
 
@@ -61,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--library", help="a built kernel library to load instead of this machine's variant")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     from workers.cpu import kernels as cpu_ops
 
     if args.library:
@@ -69,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.library or cpu_ops.load()) or not cpu_ops.ops().panel_linear_available():
         print(json.dumps({"error": "tpserve's CPU kernels with panel_linear (AVX2 + FMA) are not available here"}))
         return 1
-    result = time_kernels([int(r) for r in args.rows.split(",")], args.layers, args.repeats)
+    if dtype == torch.bfloat16 and not cpu_ops.ops().panel_linear_bf16_available():
+        print(json.dumps({"error": "bf16 panels need a kernel build with AVX512-BF16"}))
+        return 1
+    result = time_kernels([int(r) for r in args.rows.split(",")], args.layers, args.repeats, dtype=dtype)
     print(json.dumps({"threads": torch.get_num_threads(), "layers": args.layers, "shapes": DEFAULT_SHAPES,
+                      "dtype": args.dtype,
                       "library": args.library or "this machine's variant",
                       "rows": result}, indent=2))
     return 0

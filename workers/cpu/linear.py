@@ -34,6 +34,12 @@ kernels instead, on the layer's `small_batch_weight`, a copy of the weight laid 
   panels), `skinny_linear`'s one-pass loop of AVX512-BF16 dot products takes 1-8 rows on the plain
   weight (on a Xeon, before amx_linear, it took an in-process decode step of the default model
   from 39.1 to 24.0 ms at 1 request, 36.0 to 25.8 at 4), which is then kept.
+  Where vdpbf16ps issues at its full rate (AMD Zen 4: twice the FLOPs of its 512-bit FMAs), the
+  panels are packed as k-pairs instead (LAYOUT_PAIRS, [N/16, K/2, 32]) and multiplied by vdpbf16ps
+  without widening anything: on a 2-core Zen 4 over the default model's layers (cache-cold, 2
+  threads) 298 / 401 / 435 GFLOP/s at 16 / 64 / 256 rows, against 155 / 184 / 188 for the widened
+  panels and 202 / 323 / 394 for oneDNN. Which form serves is timed at load (`pair_panels_win`),
+  then its row limit against oneDNN as for the widened one.
 """
 
 from __future__ import annotations
@@ -74,8 +80,10 @@ def small_batch_linear(x: torch.Tensor, small_batch_weight: torch.Tensor, bias: 
     return y.view(*x.shape[:-1], y.size(-1))
 
 
-# Layouts of the small-batch weight, by kernel (prepack_linears' `layout`).
-LAYOUT_PLAIN, LAYOUT_PANEL, LAYOUT_AMX = "plain", "panel", "amx"
+# Layouts of the small-batch weight, by kernel (prepack_linears' `layout`): plain (skinny_linear),
+# panels of 16 features (panel_linear, float32 or bf16 widened as it loads), bf16 k-pair panels
+# (panel_linear on vdpbf16ps), AMX tile order (amx_linear).
+LAYOUT_PLAIN, LAYOUT_PANEL, LAYOUT_PAIRS, LAYOUT_AMX = "plain", "panel", "pairs", "amx"
 
 # Row counts at which panel_linear is timed against oneDNN at load: decode batches (4, 16, 64) and
 # a prefill chunk (256).
@@ -104,47 +112,87 @@ def choose_panel_rows(panel_faster: dict[int, bool]) -> int:
     return PANEL_ALL_ROWS if rows else 0
 
 
-@functools.lru_cache(maxsize=None)
-def calibrate_panel_rows(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype = torch.float32) -> tuple[int, tuple]:
-    """panel_linear's row limit on this CPU for projections of the given [out, in] shapes (one
-    layer's) in `dtype` (float32, or bf16 on AVX512-BF16 builds): both kernels timed at each probe
-    row count, a pass running every shape over copies of random weights that add up to
-    CALIBRATION_BYTES (at most CALIBRATION_MAX_COPIES). Returns (rows, ((probe, panel s, oneDNN s),
-    ...)). Once per set of shapes, dtype and process."""
-    gen = torch.Generator().manual_seed(0)
+# Rows at which the two bf16 panel forms are timed against each other at load: a 64-request decode
+# batch, where the FLOP rate of their instructions, not the weight stream, sets the pace.
+PAIR_PROBE = 64
+
+
+def _calibration_weights(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype,
+                         gen: torch.Generator) -> tuple[int, list[torch.Tensor]]:
+    """Copies of random weights of one layer's [out, in] shapes that add up to CALIBRATION_BYTES (at
+    most CALIBRATION_MAX_COPIES): (copies, the weights in `shapes` order, repeated copies times)."""
     layer_bytes = dtype.itemsize * sum(n * k for n, k in shapes)
     copies = max(1, min(CALIBRATION_MAX_COPIES, CALIBRATION_BYTES // max(1, layer_bytes)))
-    weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies) for n, k in shapes]
+    return copies, [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies) for n, k in shapes]
+
+
+def _fastest(kernels: dict, repeats: int = CALIBRATION_REPEATS) -> dict[str, float]:
+    """Each kernel's fastest pass in seconds, the kernels alternated (in turning order), after one
+    warm-up pass each."""
+    best = dict.fromkeys(kernels, float("inf"))
+    for repeat in range(repeats + 1):
+        for name in (kernels if repeat % 2 else reversed(list(kernels))):
+            start = time.perf_counter()
+            kernels[name]()
+            if repeat:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def _panel_pass(panels: list[torch.Tensor], xs: dict[int, torch.Tensor]):
+    """One pass of panel_linear over packed panels, each given the probe rows of its K."""
+    def run():
+        for w in panels:
+            torch.ops.tpserve_cpu.panel_linear(xs[w.size(1) * (2 if w.size(2) == 32 else 1)], w, None)
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def pair_panels_win(shapes: tuple[tuple[int, int], ...]) -> bool:
+    """Whether bf16 pair panels (vdpbf16ps) beat the widened bf16 panels (float32 FMAs) on this CPU
+    for projections of the given [out, in] shapes (even K): both timed at PAIR_PROBE rows over the
+    calibration weights. Once per set of shapes and process."""
+    gen = torch.Generator().manual_seed(0)
+    copies, weights = _calibration_weights(shapes, torch.bfloat16, gen)
+    forms = {"pairs": [torch.ops.tpserve_cpu.panel_pack_weight(w, True) for w in weights],
+             "widened": [torch.ops.tpserve_cpu.panel_pack_weight(w) for w in weights]}
+    del weights
+    xs = {k: torch.randn(PAIR_PROBE, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
+    best = _fastest({name: _panel_pass(panels, xs) for name, panels in forms.items()})
+    logger.info("bf16 panels at %d rows over %d copies of %s: pairs (vdpbf16ps) %.2f ms, widened (FMA) %.2f ms",
+                PAIR_PROBE, copies, list(shapes), 1e3 * best["pairs"], 1e3 * best["widened"])
+    return best["pairs"] < best["widened"]
+
+
+@functools.lru_cache(maxsize=None)
+def calibrate_panel_rows(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype = torch.float32,
+                         pairs: bool = False) -> tuple[int, tuple]:
+    """panel_linear's row limit on this CPU for projections of the given [out, in] shapes (one
+    layer's) in `dtype` (float32, or bf16 on AVX512-BF16 builds; `pairs`: bf16 pair panels, even
+    K): both kernels timed at each probe row count, a pass running every shape over the calibration
+    weights. Returns (rows, ((probe, panel s, oneDNN s), ...)). Once per set of shapes, dtype, form
+    and process."""
+    gen = torch.Generator().manual_seed(0)
+    copies, weights = _calibration_weights(shapes, dtype, gen)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
-    panels = [torch.ops.tpserve_cpu.panel_pack_weight(w) for w in weights]
+    panels = [torch.ops.tpserve_cpu.panel_pack_weight(w, pairs) for w in weights]
     del weights
     faster, timings = {}, []
     for probe in PANEL_PROBES:
         xs = {k: torch.randn(probe, k, generator=gen).to(dtype) for k in {k for _, k in shapes}}
 
-        def run_panel():
-            for w in panels:
-                torch.ops.tpserve_cpu.panel_linear(xs[w.size(1)], w, None)
-
         def run_onednn():
             for w, (_, k) in zip(packed, shapes * copies):
                 torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
 
-        kernels = {"panel": run_panel, "onednn": run_onednn}
-        best = dict.fromkeys(kernels, float("inf"))
-        for repeat in range(CALIBRATION_REPEATS + 1):  # the first of each is a warm-up
-            for name in (kernels if repeat % 2 else reversed(list(kernels))):
-                start = time.perf_counter()
-                kernels[name]()
-                if repeat:
-                    best[name] = min(best[name], time.perf_counter() - start)
+        best = _fastest({"panel": _panel_pass(panels, xs), "onednn": run_onednn})
         faster[probe] = best["panel"] <= best["onednn"]
         timings.append((probe, best["panel"], best["onednn"]))
         if not faster[probe]:
             break  # the limit is known; larger probes would only cost load time
     rows = choose_panel_rows(faster)
-    logger.info("panel_linear takes %s batches of %s, oneDNN %s (timed at load over %d copies of %s, rows: "
-                "panel / oneDNN ms: %s)", str(dtype).removeprefix("torch."),
+    logger.info("panel_linear takes %s%s batches of %s, oneDNN %s (timed at load over %d copies of %s, rows: "
+                "panel / oneDNN ms: %s)", str(dtype).removeprefix("torch."), " pair-panel" if pairs else "",
                 "every size" if rows == PANEL_ALL_ROWS else f"up to {rows} rows",
                 "none" if rows == PANEL_ALL_ROWS else "the rest", copies, list(shapes),
                 ", ".join(f"{m}: {1e3 * a:.2f} / {1e3 * b:.2f}" for m, a, b in timings))
@@ -167,19 +215,21 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
     small_batch_rows > 0 (tpserve's CPU kernels loaded, the dtype one of theirs: the caller
     checks): batches of up to that many rows run a small-batch kernel on `small_batch_weight`,
     laid out per `layout`: LAYOUT_AMX (bf16 on a CPU with AMX) a copy in AMX tile order for
-    amx_linear, LAYOUT_PANEL (float32, or bf16 without AMX) a copy in panels for panel_linear, LAYOUT_PLAIN the plain
-    weight for skinny_linear (bf16), which is then kept. A weight no small-batch kernel reads and
+    amx_linear, LAYOUT_PANEL (float32, or bf16 without AMX) a copy in panels for panel_linear,
+    LAYOUT_PAIRS (bf16 without AMX, even K) a copy in k-pair panels for panel_linear's vdpbf16ps
+    tiles, LAYOUT_PLAIN the plain weight for skinny_linear (bf16), which is then kept. A weight no small-batch kernel reads and
     no other module uses is dropped (the packed copy replaces it); one that is shared (an LM head
     tied to the embedding table) is kept for its other user."""
-    pack_small = {LAYOUT_AMX: torch.ops.tpserve_cpu.amx_pack_weight if small_batch_rows > 0 else None,
-                  LAYOUT_PANEL: torch.ops.tpserve_cpu.panel_pack_weight if small_batch_rows > 0 else None,
-                  LAYOUT_PLAIN: None}[layout]
+    pack_small = {LAYOUT_AMX: torch.ops.tpserve_cpu.amx_pack_weight,
+                  LAYOUT_PANEL: torch.ops.tpserve_cpu.panel_pack_weight,
+                  LAYOUT_PAIRS: functools.partial(torch.ops.tpserve_cpu.panel_pack_weight, pairs=True),
+                  LAYOUT_PLAIN: None}[layout] if small_batch_rows > 0 else None
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
     packable_ids = {id(m) for m in layers}
     shared = {p.data_ptr() for m in model.modules() if id(m) not in packable_ids
               for p in m.parameters(recurse=False)}
     # panel_linear taking every batch leaves no batch for oneDNN: no copy for it.
-    onednn = not (layout == LAYOUT_PANEL and small_batch_rows == PANEL_ALL_ROWS)
+    onednn = not (layout in (LAYOUT_PANEL, LAYOUT_PAIRS) and small_batch_rows == PANEL_ALL_ROWS)
     extra_bytes = 0
     for layer in layers:
         weight = layer.weight
@@ -202,7 +252,8 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
         for layer, moved in zip(layers, huge_pages.move_to_huge_pages([m.small_batch_weight for m in layers])):
             layer.small_batch_weight = moved
     if extra_bytes:
-        kernel = {LAYOUT_AMX: "amx_linear", LAYOUT_PANEL: "panel_linear", LAYOUT_PLAIN: "skinny_linear"}[layout]
+        kernel = {LAYOUT_AMX: "amx_linear", LAYOUT_PANEL: "panel_linear", LAYOUT_PAIRS: "panel_linear, pairs",
+                  LAYOUT_PLAIN: "skinny_linear"}[layout]
         rows = "every batch" if small_batch_rows == PANEL_ALL_ROWS else f"batches of up to {small_batch_rows} rows"
         logger.info("kept a copy of each projection weight beside the packed one for %s (%s): %.0f MiB more",
                     rows, kernel, extra_bytes / 2**20)
@@ -211,7 +262,9 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
     return len(layers)
 
 
-def packable_in_sixteens(model: nn.Module) -> bool:
+def packable_in_sixteens(model: nn.Module, pairs: bool = False) -> bool:
     """Whether amx_pack_weight and panel_pack_weight take every projection of the model: output
-    features a multiple of 16 (all the supported models' are, TP shards included)."""
-    return all(m.weight.size(0) % 16 == 0 for m in model.modules() if hasattr(m, "packed_weight"))
+    features a multiple of 16 (all the supported models' are, TP shards included); `pairs`: and an
+    even number of input features, for pair panels."""
+    return all(m.weight.size(0) % 16 == 0 and (not pairs or m.weight.size(1) % 2 == 0)
+               for m in model.modules() if hasattr(m, "packed_weight"))

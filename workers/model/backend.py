@@ -30,7 +30,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from workers.attention.paged import AttentionMetadata, paged_attention, prefill_kernel_serves, write_kv
+from workers.attention.paged import DEFAULT_HEADS, AttentionMetadata, paged_attention, prefill_kernel_serves, write_kv
 from workers.cpu import kernels
 from workers.sampling.sampler import torch_row_max
 
@@ -209,11 +209,13 @@ TORCH = TorchBackend()
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, cpu_kernels: str = "auto",
-                   prefill_attention: bool = True, layer_stack: bool = True) -> TorchBackend:
+                   prefill_attention: bool = True, layer_stack: bool = True,
+                   heads: tuple[int, int, int] = DEFAULT_HEADS) -> TorchBackend:
     """The backend of a rank on `device`, decided once. cpu_kernels: the config's auto | on | off
     (on raises kernels.KernelsUnavailable where they cannot load). prefill_attention: the kernel
     where workers.attention.paged.prefill_kernel_serves says the kernel beats SDPA (float32
-    always; bf16 on AMX builds).
+    always; bf16 on AMX builds, and without AMX where timed faster at the rank's `heads`: query
+    heads, KV heads, head_dim).
     CUDA: `CudaBackend` where Triton is installed (CUDA builds of torch ship it), else torch ops."""
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
@@ -224,4 +226,5 @@ def select_backend(device: torch.device, dtype: torch.dtype, cpu_kernels: str = 
         return TORCH
     if not kernels.load(cpu_kernels):
         return TORCH
-    return CpuKernelBackend(prefill_attention=prefill_attention and prefill_kernel_serves(dtype), layer_stack=layer_stack)
+    return CpuKernelBackend(prefill_attention=prefill_attention and prefill_kernel_serves(dtype, heads),
+                            layer_stack=layer_stack)

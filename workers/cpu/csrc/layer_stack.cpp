@@ -18,7 +18,7 @@
 //   x           = linear(silu_and_mul(linear(h, gate_up)), down)
 // and returns (x, residual) of the last layer; the model's final norm adds them.
 // A linear takes its small-batch kernel up to small_batch_rows rows (amx_linear on an AMX tile
-// copy, panel_linear on a float32 panel copy, skinny_linear on the plain bf16 weight), oneDNN's
+// copy, panel_linear on a panel copy, skinny_linear on the plain bf16 weight), oneDNN's
 // prepacked GEMM (mkldnn::_linear_pointwise) above when a packed weight is given, else
 // at::linear: workers/cpu/linear.py's linear(), decided the same way.
 
@@ -108,8 +108,8 @@ struct Ops {
 };
 
 // The one choice of small-batch projection kernel, by the layout workers/cpu/linear.py packed the
-// weight in: AMX tile order is 4-D ([N/16, K/32, 16, 32], amx_linear), float32 panels 3-D
-// ([N/16, K, 16], panel_linear), a plain bf16 weight 2-D (skinny_linear). x is [M, K]. Python's
+// weight in: AMX tile order is 4-D ([N/16, K/32, 16, 32], amx_linear), panels 3-D ([N/16, K, 16], or
+// bf16 k-pairs [N/16, K/2, 32]: panel_linear), a plain bf16 weight 2-D (skinny_linear). x is [M, K]. Python's
 // linear() calls it through the small_batch_linear op, the layer stack directly.
 at::Tensor small_batch_linear_with(const Ops& ops, const at::Tensor& x, const at::Tensor& small, const OptTensor& bias) {
   if (small.dim() == 4) return ops.amx_linear.call(x, small, bias);

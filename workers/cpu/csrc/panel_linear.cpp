@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -117,7 +118,11 @@ void panel_rows(int64_t M, const float* x, int64_t x_stride, const float* panel,
   }
 }
 
+// The tile kernel panel_linear names: on these builds only the 256-bit FMA tiles above.
+struct FmaTiles {};
+
 // One task's panels [begin, end) for `rows` rows of x (y: those rows' outputs, N apart).
+template <typename Tiles>
 void task_panels(int64_t rows, const float* x, int64_t x_stride, const float* wp, int64_t panel_size, int64_t K,
                  const float* bias, float* y, int64_t N, int64_t begin, int64_t end) {
   for (int64_t p = begin; p < end; ++p)
@@ -195,44 +200,115 @@ void tile512(const float* x, int64_t x_stride, const W* panel, int64_t panel_siz
 #undef TPSERVE_ACC512_FMA
 #undef TPSERVE_ACC512_STORE
 
+// The tile kernels the row and panel loops below run: the float32 FMA tiles above (float32 x, float32 or
+// widened bf16 panels), or the vdpbf16ps tiles of pair panels (bf16 x, PairTiles below).
+struct FmaTiles {
+  template <int R, int P, typename W, typename Y>
+  static void run(const float* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K, const float* bias,
+                  Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
+    tile512<R, P>(x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
+  }
+};
+
 // The last tile of a panel's rows: `rest` (1 to kTileRows512 - 1) rows, a compile-time count each.
-template <int P, int R = kTileRows512 - 1, typename W, typename Y>
-void tile512_rest(int64_t rest, const float* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K,
+template <typename Tiles, int P, int R = kTileRows512 - 1, typename X, typename W, typename Y>
+void tile512_rest(int64_t rest, const X* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K,
                   const float* bias, Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
   if constexpr (R > 0) {
-    if (rest == R) return tile512<R, P>(x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
-    tile512_rest<P, R - 1>(rest, x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
+    if (rest == R) return Tiles::template run<R, P>(x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
+    tile512_rest<Tiles, P, R - 1>(rest, x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
   }
 }
 
 // All M rows against P panels: full tiles of kTileRows512, then one tile of the rest. The first
 // tile prefetches the next panels.
-template <int P, typename W, typename Y>
-void panel_rows512(int64_t M, const float* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K,
+template <typename Tiles, int P, typename X, typename W, typename Y>
+void panel_rows512(int64_t M, const X* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K,
                    const float* bias, Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
   int64_t m = 0;
   for (; m + kTileRows512 <= M; m += kTileRows512)
-    tile512<kTileRows512, P>(x + m * x_stride, x_stride, panel, panel_size, K, bias, y + m * y_stride, y_stride,
-                             m == 0 ? pf0 : nullptr, m == 0 ? pf1 : nullptr);
+    Tiles::template run<kTileRows512, P>(x + m * x_stride, x_stride, panel, panel_size, K, bias, y + m * y_stride,
+                                         y_stride, m == 0 ? pf0 : nullptr, m == 0 ? pf1 : nullptr);
   if (m < M)
-    tile512_rest<P>(M - m, x + m * x_stride, x_stride, panel, panel_size, K, bias, y + m * y_stride, y_stride,
-                    m == 0 ? pf0 : nullptr, m == 0 ? pf1 : nullptr);
+    tile512_rest<Tiles, P>(M - m, x + m * x_stride, x_stride, panel, panel_size, K, bias, y + m * y_stride, y_stride,
+                           m == 0 ? pf0 : nullptr, m == 0 ? pf1 : nullptr);
 }
 
 // One task's panels [begin, end) for `rows` rows of x, two at a time (an odd last one alone).
-template <typename W, typename Y>
-void task_panels(int64_t rows, const float* x, int64_t x_stride, const W* wp, int64_t panel_size, int64_t K,
+template <typename Tiles = FmaTiles, typename X, typename W, typename Y>
+void task_panels(int64_t rows, const X* x, int64_t x_stride, const W* wp, int64_t panel_size, int64_t K,
                  const float* bias, Y* y, int64_t N, int64_t begin, int64_t end) {
   for (int64_t p = begin; p < end; p += 2) {
     const W* pf0 = p + 2 < end ? wp + (p + 2) * panel_size : nullptr;
     const W* pf1 = p + 3 < end ? wp + (p + 3) * panel_size : nullptr;
     const float* b = bias ? bias + p * kPanel : nullptr;
     if (p + 1 < end)
-      panel_rows512<2>(rows, x, x_stride, wp + p * panel_size, panel_size, K, b, y + p * kPanel, N, pf0, pf1);
+      panel_rows512<Tiles, 2>(rows, x, x_stride, wp + p * panel_size, panel_size, K, b, y + p * kPanel, N, pf0, pf1);
     else
-      panel_rows512<1>(rows, x, x_stride, wp + p * panel_size, panel_size, K, b, y + p * kPanel, N, pf0, pf1);
+      panel_rows512<Tiles, 1>(rows, x, x_stride, wp + p * panel_size, panel_size, K, b, y + p * kPanel, N, pf0, pf1);
   }
 }
+
+#if defined(TPSERVE_PANEL_BF16)
+// ---- Pair panels: bf16 x bf16 on vdpbf16ps ----
+// The same panels of 16 output features, each k-pair's weights interleaved, [N/16, K/2, 16, 2]:
+// one 64-byte line holds (W[16p + j][2i], W[16p + j][2i + 1]) for j = 0..15, and one vdpbf16ps
+// multiplies it by a row's broadcast pair (x[2i], x[2i + 1]) and adds both products to the 16
+// float32 sums. x is read as bf16 in place, never widened. Why: where vdpbf16ps issues at its
+// full rate (AMD Zen 4: 64 FLOP a cycle per core, against 32 for 512-bit FMAs, which Zen 4 runs as
+// two 256-bit halves; peak_probe there: 457 vs 231 GFLOP/s on 2 threads) it doubles the widened
+// panels' compute bound, which sets their pace from 16 rows; on an Intel Xeon it issues at half
+// its FMAs' FLOP rate (peak_probe: 238 vs 478), and the widened panels stay. linear.py times the
+// two forms against each other at load. Sums: both products of a pair are exact in float32 and
+// added to the accumulator in turn (the instruction's order), denormal inputs and results flushed
+// to zero, then the bias, then one rounding to bf16: the widened panels' float32 sum in another
+// order.
+#define TPSERVE_ACCDP_DECL(i) __m512 acc##i##a = _mm512_setzero_ps(), acc##i##b = _mm512_setzero_ps();
+#define TPSERVE_ACCDP_DOT(i)                                                                         \
+  if constexpr (R > i) {                                                                             \
+    int32_t pair;                                                                                    \
+    std::memcpy(&pair, x + i * x_stride + 2 * k, sizeof(pair));                                      \
+    const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                           \
+    acc##i##a = _mm512_dpbf16_ps(acc##i##a, w0, xv);                                                 \
+    if constexpr (P == 2) acc##i##b = _mm512_dpbf16_ps(acc##i##b, w1, xv);                           \
+  }
+#define TPSERVE_ACCDP_STORE(i)                                                                       \
+  if constexpr (R > i) {                                                                             \
+    store16(y + i * y_stride, _mm512_add_ps(acc##i##a, b0));                                         \
+    if constexpr (P == 2) store16(y + i * y_stride + kPanel, _mm512_add_ps(acc##i##b, b1));          \
+  }
+
+struct PairTiles {
+  // R rows of bf16 x (x_stride apart) times P pair panels (panel_size values apart, K2 = K/2 lines
+  // each) into y's 16 P bf16 columns; pf0, pf1: panels to prefetch into L2, one line per k-pair.
+  // 12 x 2 accumulators + 2 weight vectors + the broadcast: 27 zmm, as the FMA tiles.
+  template <int R, int P>
+  static void run(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t panel_size, int64_t K2,
+                  const float* bias, uint16_t* y, int64_t y_stride, const uint16_t* pf0, const uint16_t* pf1) {
+    TPSERVE_ACCDP_DECL(0) TPSERVE_ACCDP_DECL(1) TPSERVE_ACCDP_DECL(2) TPSERVE_ACCDP_DECL(3)
+    TPSERVE_ACCDP_DECL(4) TPSERVE_ACCDP_DECL(5) TPSERVE_ACCDP_DECL(6) TPSERVE_ACCDP_DECL(7)
+    TPSERVE_ACCDP_DECL(8) TPSERVE_ACCDP_DECL(9) TPSERVE_ACCDP_DECL(10) TPSERVE_ACCDP_DECL(11)
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < K2; ++k) {
+      if (pf0) _mm_prefetch(reinterpret_cast<const char*>(pf0 + k * 2 * kPanel), _MM_HINT_T1);
+      if (pf1) _mm_prefetch(reinterpret_cast<const char*>(pf1 + k * 2 * kPanel), _MM_HINT_T1);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * kPanel);
+      const __m512bh w1 = P == 2 ? (__m512bh)_mm512_loadu_si512(panel + panel_size + k * 2 * kPanel) : w0;
+      TPSERVE_ACCDP_DOT(0) TPSERVE_ACCDP_DOT(1) TPSERVE_ACCDP_DOT(2) TPSERVE_ACCDP_DOT(3)
+      TPSERVE_ACCDP_DOT(4) TPSERVE_ACCDP_DOT(5) TPSERVE_ACCDP_DOT(6) TPSERVE_ACCDP_DOT(7)
+      TPSERVE_ACCDP_DOT(8) TPSERVE_ACCDP_DOT(9) TPSERVE_ACCDP_DOT(10) TPSERVE_ACCDP_DOT(11)
+    }
+    const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias && P == 2 ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
+    TPSERVE_ACCDP_STORE(0) TPSERVE_ACCDP_STORE(1) TPSERVE_ACCDP_STORE(2) TPSERVE_ACCDP_STORE(3)
+    TPSERVE_ACCDP_STORE(4) TPSERVE_ACCDP_STORE(5) TPSERVE_ACCDP_STORE(6) TPSERVE_ACCDP_STORE(7)
+    TPSERVE_ACCDP_STORE(8) TPSERVE_ACCDP_STORE(9) TPSERVE_ACCDP_STORE(10) TPSERVE_ACCDP_STORE(11)
+  }
+};
+#undef TPSERVE_ACCDP_DECL
+#undef TPSERVE_ACCDP_DOT
+#undef TPSERVE_ACCDP_STORE
+#endif
 #endif
 
 void check_weight(const at::Tensor& weight) {
@@ -254,11 +330,37 @@ void pack_panels(const T* w, T* o, int64_t panels, int64_t K) {
   });
 }
 
+// W [N, K] bf16 -> pair panels [N/16, K/2, 32]: out[p][i][2j + e] = W[16p + j][2i + e].
+void pack_pair_panels(const uint16_t* w, uint16_t* o, int64_t panels, int64_t K) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const uint16_t* row = w + (p * kPanel + j) * K;
+        uint16_t* dst = o + p * K * kPanel + 2 * j;
+        for (int64_t i = 0; i < K / 2; ++i) {
+          dst[i * 2 * kPanel] = row[2 * i];
+          dst[i * 2 * kPanel + 1] = row[2 * i + 1];
+        }
+      }
+  });
+}
+
 // W [N, K] -> [N/16, K, 16] of W's dtype: out[p][k][j] = W[16p + j][k]. Once per weight, at load.
-at::Tensor panel_pack_weight(const at::Tensor& weight_in) {
+// pairs (bf16, even K): pair panels [N/16, K/2, 32] for the vdpbf16ps tiles instead; the shape
+// tells panel_linear which form it is given.
+at::Tensor panel_pack_weight(const at::Tensor& weight_in, bool pairs) {
   check_weight(weight_in);
   const at::Tensor weight = weight_in.contiguous();
   const int64_t N = weight.size(0), K = weight.size(1), panels = N / kPanel;
+  if (pairs) {
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && K % 2 == 0,
+                "panel_pack_weight: pair panels need a bfloat16 weight with an even K, got ", weight.scalar_type(),
+                " with K = ", K);
+    at::Tensor out = at::empty({panels, K / 2, 2 * kPanel}, weight.options());
+    pack_pair_panels(reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>()),
+                     reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), panels, K);
+    return out;
+  }
   at::Tensor out = at::empty({panels, K, kPanel}, weight.options());
   if (weight.scalar_type() == at::kFloat)
     pack_panels(weight.data_ptr<float>(), out.data_ptr<float>(), panels, K);
@@ -280,20 +382,26 @@ bool panel_linear_bf16_available() {
 
 // y [M, N] = x W^T + bias. float32 x and panels: float32 y. bf16 x and panels (AVX512-BF16 builds):
 // x widened to float32 once, the panels' weights widened as they load, float32 sums (the products
-// of two bf16 values are exact in float32) plus the bias, rounded once to a bf16 y.
+// of two bf16 values are exact in float32) plus the bias, rounded once to a bf16 y. bf16 x and pair
+// panels ([N/16, K/2, 32]): the same sums on vdpbf16ps, x read as it is (PairTiles).
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && (packed.scalar_type() == at::kFloat || bf16) &&
-                  packed.is_contiguous(),
-              "panel_linear: the weight as panel_pack_weight returns it, [N/16, K, 16] float32 or bfloat16");
+  const bool pairs = bf16 && packed.dim() == 3 && packed.size(2) == 2 * kPanel;
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == kPanel || pairs) &&
+                  (packed.scalar_type() == at::kFloat || bf16) && packed.is_contiguous(),
+              "panel_linear: the weight as panel_pack_weight returns it, [N/16, K, 16] float32 or bfloat16, or "
+              "[N/16, K/2, 32] bfloat16 pairs");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0,
               "panel_linear: the packed weight must start 32-byte aligned, as panel_pack_weight returns it");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == packed.size(1) && x_in.scalar_type() == packed.scalar_type(),
-              "panel_linear: x must be [M, K] with K = ", packed.size(1), " of the packed weight's dtype");
+  const int64_t packed_k = pairs ? 2 * packed.size(1) : packed.size(1);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == packed_k && x_in.scalar_type() == packed.scalar_type(),
+              "panel_linear: x must be [M, K] with K = ", packed_k, " of the packed weight's dtype");
   TORCH_CHECK(!bf16 || panel_linear_bf16_available(), "panel_linear: bfloat16 needs a build with AVX512-BF16");
 #if defined(TPSERVE_PANEL_AVX2)
-  // bf16 x: widened once here (M x K, small next to the weights); float32 x: used in place.
-  const at::Tensor x = bf16 ? x_in.to(at::kFloat).contiguous() : x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  // bf16 x on widened panels: widened once here (M x K, small next to the weights); float32 x, and
+  // bf16 x on pair panels: used in place.
+  const at::Tensor x = bf16 && !pairs ? x_in.to(at::kFloat).contiguous()
+                       : x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), N = panels * kPanel;
   at::Tensor b;
   const float* bias_ptr = nullptr;
@@ -304,24 +412,30 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   }
   at::Tensor y = at::empty({M, N}, x_in.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
   const int64_t x_stride = x.stride(0), panel_size = K * kPanel;
-  auto run = [&](const auto* wp, auto* yp) {
+  // Each task owns whole panels and takes the rows in blocks of kRowBlock past all of them; `k_steps`:
+  // the tiles' k loop count (K, or K/2 pairs).
+  auto run = [&](auto tiles, const auto* xp, const auto* wp, auto* yp, int64_t k_steps) {
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
         const int64_t rows = std::min(kRowBlock, M - m0);
-        task_panels(rows, xp + m0 * x_stride, x_stride, wp, panel_size, K, bias_ptr, yp + m0 * N, N, begin, end);
+        task_panels<decltype(tiles)>(rows, xp + m0 * x_stride, x_stride, wp, panel_size, k_steps, bias_ptr,
+                                     yp + m0 * N, N, begin, end);
       }
     });
   };
 #if defined(TPSERVE_PANEL_BF16)
   if (bf16) {
-    run(reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
-        reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()));
+    const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+    auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+    if (pairs)
+      run(PairTiles{}, reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), wp, yp, K / 2);
+    else
+      run(FmaTiles{}, x.data_ptr<float>(), wp, yp, K);
     return y;
   }
 #endif
-  run(packed.data_ptr<float>(), y.data_ptr<float>());
+  run(FmaTiles{}, x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), K);
   return y;
 #else
   TORCH_CHECK(false, "panel_linear: built without AVX2 + FMA (panel_linear_available() is false)");
@@ -341,7 +455,7 @@ bool panel_linear_available() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
-  m.def("panel_pack_weight(Tensor weight) -> Tensor", &panel_pack_weight);
+  m.def("panel_pack_weight(Tensor weight, bool pairs=False) -> Tensor", &panel_pack_weight);
   m.def("panel_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor", &panel_linear);
   m.def("panel_linear_available() -> bool", &panel_linear_available);
   m.def("panel_linear_bf16_available() -> bool", &panel_linear_bf16_available);
