@@ -21,7 +21,8 @@ from kv_layouts import head_major
 from model_fixtures import make_tiny_llama
 from kernel_requirements import requires_kernels
 from workers.cpu import kernels as cpu_ops
-from workers.attention.paged import AttentionMetadata, PrefillChunk, prefill_kernel_serves
+from workers.attention.cpu_prefill_choice import prefill_kernel_serves
+from workers.attention.paged import AttentionMetadata, PrefillChunk
 from workers.model.backend import TORCH, CpuKernelBackend
 from scheduler.sampling_params import SamplingParams
 from workers.runner.decode_inputs import padded_block_tables
@@ -370,7 +371,7 @@ def test_bf16_tiles_are_built_where_the_cpu_has_them():
     """The amx variant runs bf16 steps on AMX tiles, avx512_bf16 on vdpbf16ps register tiles; the
     others compile both away (bf16 widened to the float32 tiles). AMX routes bf16 prefill to the
     kernel, avx512_bf16 where the load-time timing says it is faster, the others never
-    (workers/attention/paged.py prefill_kernel_serves)."""
+    (workers/attention/cpu_prefill_choice.py prefill_kernel_serves)."""
     from workers.attention.cpu_prefill_choice import bf16_prefill_kernel_wins
 
     expected = {"amx": "amx", "avx512_bf16": "avx512_bf16"}.get(cpu_ops.loaded_variant(), "float32")
@@ -396,14 +397,13 @@ def test_avx512_bf16_builds_route_bf16_prefill_by_the_timing_at_load(monkeypatch
     """On the avx512_bf16 path the route follows bf16_prefill_kernel_wins, asked at the rank's heads;
     the amx path never asks."""
     import workers.attention.cpu_prefill_choice as choice
-    import workers.attention.paged as paged
 
     asked = []
     monkeypatch.setattr(choice, "bf16_prefill_kernel_wins", lambda *heads: asked.append(heads) or wins)
-    monkeypatch.setattr(paged.cpu_ops, "ops", lambda: _OpsOnPath("avx512_bf16"))
+    monkeypatch.setattr(choice.cpu_ops, "ops", lambda: _OpsOnPath("avx512_bf16"))
     assert prefill_kernel_serves(torch.bfloat16, (32, 8, 128)) == wins
     assert asked == [(32, 8, 128)]
-    monkeypatch.setattr(paged.cpu_ops, "ops", lambda: _OpsOnPath("amx"))
+    monkeypatch.setattr(choice.cpu_ops, "ops", lambda: _OpsOnPath("amx"))
     assert prefill_kernel_serves(torch.bfloat16, (32, 8, 128))
     assert asked == [(32, 8, 128)]
 

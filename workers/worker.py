@@ -77,7 +77,7 @@ class WorkerConfig:
     cpu_small_batch_linear: bool = True
     # CPU, with the kernels: prefill chunks through the kernels' flash attention over the paged
     # cache (workers/cpu/csrc/prefill_attention.cpp) instead of torch's SDPA, in the dtypes and on
-    # the CPUs where workers/attention/paged.py prefill_kernel_serves says it is faster.
+    # the CPUs where workers/attention/cpu_prefill_choice.py prefill_kernel_serves says it is faster.
     cpu_prefill_attention: bool = True
     # CPU, one rank, with the kernels: the layer loop as one call into them for the models it
     # serves (workers/model/cpu_layer_stack.py).

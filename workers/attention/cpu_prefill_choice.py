@@ -1,6 +1,7 @@
-"""Whether the CPU prefill kernel's bf16 vdpbf16ps tiles beat torch's SDPA on this CPU, timed once
-at load (workers/attention/paged.py prefill_kernel_serves asks where the kernels' bf16 path is
-`avx512_bf16`: a CPU with AVX512-BF16 but no AMX).
+"""Which prefill attention a CPU rank runs: the CPU prefill kernel (workers/cpu/csrc/
+prefill_attention.cpp) or torch's SDPA (workers/attention/paged.py), per dtype, decided once at load
+(`prefill_kernel_serves`). Where the kernels' bf16 path is `avx512_bf16` (a CPU with AVX512-BF16
+but no AMX) the kernel's vdpbf16ps tiles and SDPA are timed against each other (`bf16_prefill_kernel_wins`).
 
 Why timed: how fast each side runs depends on the CPU. On a 2-core AMD Zen 4 (vdpbf16ps at twice
 the FLOP rate of its 512-bit FMAs) the kernel ran 2.9-4.6x torch 2.13's CPU flash attention
@@ -22,6 +23,9 @@ import time
 
 import torch
 
+from workers.attention.paged import AttentionMetadata, PrefillChunk, _sdpa_prefills
+from workers.cpu import kernels as cpu_ops
+
 logger = logging.getLogger(__name__)
 
 # Tokens of the probe prompt: a chunk long enough that attention, not call overhead, is timed.
@@ -32,13 +36,34 @@ PROBE_REPEATS = 3
 PROBE_BLOCK = 16
 
 
+# Per-rank attention heads when the caller names none: the default model's (9 query, 3 KV heads of 64).
+DEFAULT_HEADS = (9, 3, 64)
+
+
+def prefill_kernel_serves(dtype: torch.dtype, heads: tuple[int, int, int] = DEFAULT_HEADS) -> bool:
+    """Whether the CPU prefill kernel (workers/cpu/csrc/prefill_attention.cpp) takes `dtype`'s prefill
+    chunks instead of SDPA (call after the kernels loaded), for a rank's (query heads, KV heads,
+    head_dim). float32: always (1.5-3x SDPA on a 2-core AMD EPYC, docs/cpu-kernels.md). bf16 on AMX
+    tiles (the amx variant): always, measured faster than the gather + SDPA path at every case of
+    bench/kernels/prefill_attention_kernel.py --dtype bfloat16 (1-6k-token prompts in 2,048-token
+    chunks, 8 x 256). bf16 on vdpbf16ps tiles (the avx512_bf16 variant, no AMX): where they are timed
+    faster at load (bf16_prefill_kernel_wins below; 2.9-4.6x SDPA on a Zen 4). The other variants
+    would widen bf16 to the float32 tiles, which lost to SDPA."""
+    if dtype == torch.float32:
+        return True
+    if dtype != torch.bfloat16:
+        return False
+    path = cpu_ops.ops().prefill_attention_bf16_path()
+    if path == "avx512_bf16":
+        return bf16_prefill_kernel_wins(*heads)
+    return path == "amx"
+
+
 @functools.lru_cache(maxsize=None)
 def bf16_prefill_kernel_wins(heads: int, kv_heads: int, head_dim: int) -> bool:
     """True when paged_prefill_attention ran the probe prompt faster than the SDPA path tpserve
     takes without it, in bf16, at these per-rank heads. Once per shape and process (~50 ms for the
     default model's heads on a 2-core machine)."""
-    from workers.attention.paged import AttentionMetadata, PrefillChunk, _sdpa_prefills
-
     gen = torch.Generator().manual_seed(0)
     n = PROBE_TOKENS
     blocks = n // PROBE_BLOCK

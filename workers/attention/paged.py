@@ -8,7 +8,8 @@ through its block table:
   * prefill chunks: one SDPA call each, causal with an offset for the context already cached
     (a chunk that starts at position 0 uses its own K/V directly, no gather); with the CPU
     kernels, one flash-attention call for all chunks that reads the blocks in place, in float32
-    and in bf16 on AMX builds and where its AVX512-BF16 tiles are timed faster (prefill_kernel_serves).
+    and in bf16 on AMX builds and where its AVX512-BF16 tiles are timed faster
+    (workers/attention/cpu_prefill_choice.py prefill_kernel_serves).
 A layer may add a sliding window (keys more than window - 1 positions behind the query are
 masked) and a logit soft cap (Gemma 2: eager attention, since SDPA has no hook before the softmax).
 GQA is handled without copying K/V per query head: the query heads that share a KV head are
@@ -77,37 +78,12 @@ class AttentionMetadata:
     # [num_prefills, max_blocks] int32 block tables of those chunks, padded with the null block.
     prefill_block_tables: torch.Tensor | None = None
     # With the chunk table set: True, the chunks go through the CPU prefill kernel; False, through
-    # SDPA per chunk (where prefill_kernel_serves says no, or the config turns the kernel off), the
+    # SDPA per chunk (where cpu_prefill_choice.prefill_kernel_serves says no, or the config turns the kernel off), the
     # table then only lets the CPU layer stack run the step (workers/model/cpu_layer_stack.py).
     prefill_kernel: bool = True
     # Tensors the GPU kernels derive from the fields above once per step (varlen_attn's cumulative
     # query lengths: workers/attention/gpu_paged.py), built by the first layer, reused by the others.
     kernel_inputs: dict = field(default_factory=dict)
-
-
-# Per-rank attention heads when the caller names none: the default model's (9 query, 3 KV heads of 64).
-DEFAULT_HEADS = (9, 3, 64)
-
-
-def prefill_kernel_serves(dtype: torch.dtype, heads: tuple[int, int, int] = DEFAULT_HEADS) -> bool:
-    """Whether the CPU prefill kernel (workers/cpu/csrc/prefill_attention.cpp) takes `dtype`'s prefill
-    chunks instead of SDPA (call after the kernels loaded), for a rank's (query heads, KV heads,
-    head_dim). float32: always (1.5-3x SDPA on a 2-core AMD EPYC, docs/cpu-kernels.md). bf16 on AMX
-    tiles (the amx variant): always, measured faster than the gather + SDPA path at every case of
-    bench/kernels/prefill_attention_kernel.py --dtype bfloat16 (1-6k-token prompts in 2,048-token
-    chunks, 8 x 256). bf16 on vdpbf16ps tiles (the avx512_bf16 variant, no AMX): where they are timed
-    faster at load (cpu_prefill_choice.py; 2.9-4.6x SDPA on a Zen 4). The other variants would widen
-    bf16 to the float32 tiles, which lost to SDPA."""
-    if dtype == torch.float32:
-        return True
-    if dtype != torch.bfloat16:
-        return False
-    path = cpu_ops.ops().prefill_attention_bf16_path()
-    if path == "avx512_bf16":
-        from workers.attention.cpu_prefill_choice import bf16_prefill_kernel_wins
-
-        return bf16_prefill_kernel_wins(*heads)
-    return path == "amx"
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -36,10 +36,10 @@ kernels instead, on the layer's `small_batch_weight`, a copy of the weight laid 
   from 39.1 to 24.0 ms at 1 request, 36.0 to 25.8 at 4), which is then kept.
   Where vdpbf16ps issues at its full rate (AMD Zen 4: twice the FLOPs of its 512-bit FMAs), the
   panels are packed as k-pairs instead (LAYOUT_PAIRS, [N/16, K/2, 32]) and multiplied by vdpbf16ps
-  without widening anything: on a 2-core Zen 4 over the default model's layers (cache-cold, 2
-  threads) 298 / 401 / 435 GFLOP/s at 16 / 64 / 256 rows, against 155 / 184 / 188 for the widened
-  panels and 202 / 323 / 394 for oneDNN. Which form serves is timed at load (`pair_panels_win`),
-  then its row limit against oneDNN as for the widened one.
+  without widening anything: on a 2-core Zen 4 over 9 layers of the default model's projections
+  (64 MB, cache-cold, 2 threads) 298 / 401 / 435 GFLOP/s at 16 / 64 / 256 rows, against 155 / 184 /
+  188 for the widened panels and 202 / 323 / 394 for oneDNN. Which form serves is timed at load
+  (`pair_panels_win`), then its row limit against oneDNN as for the widened one.
 """
 
 from __future__ import annotations

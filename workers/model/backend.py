@@ -30,7 +30,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from workers.attention.paged import DEFAULT_HEADS, AttentionMetadata, paged_attention, prefill_kernel_serves, write_kv
+from workers.attention.cpu_prefill_choice import DEFAULT_HEADS, prefill_kernel_serves
+from workers.attention.paged import AttentionMetadata, paged_attention, write_kv
 from workers.cpu import kernels
 from workers.sampling.sampler import torch_row_max
 
@@ -213,7 +214,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, cpu_kernels: str = 
                    heads: tuple[int, int, int] = DEFAULT_HEADS) -> TorchBackend:
     """The backend of a rank on `device`, decided once. cpu_kernels: the config's auto | on | off
     (on raises kernels.KernelsUnavailable where they cannot load). prefill_attention: the kernel
-    where workers.attention.paged.prefill_kernel_serves says the kernel beats SDPA (float32
+    where workers.attention.cpu_prefill_choice.prefill_kernel_serves says the kernel beats SDPA (float32
     always; bf16 on AMX builds, and without AMX where timed faster at the rank's `heads`: query
     heads, KV heads, head_dim).
     CUDA: `CudaBackend` where Triton is installed (CUDA builds of torch ship it), else torch ops."""

@@ -20,6 +20,11 @@
 // next panel is prefetched into L2, one line per k. The accumulators are named scalars, not an
 // array: GCC keeps those in registers.
 //
+// bf16 on AVX512-BF16 builds: either the same panels of bf16 weights, widened to float32 as they
+// load (FMA tiles), or pair panels [N/16, K/2, 32] multiplied by vdpbf16ps without widening
+// (PairForm below: 1.9-2.3x the widened panels from 16 rows on a Zen 4); workers/cpu/linear.py
+// times the two at load.
+//
 // AVX-512 builds (Intel since Skylake-SP, AMD Zen 4) take two panels at a time in 12 x 32 tiles of
 // zmm accumulators instead (tile512 below), on the same packed weights. Against the 256-bit tiles
 // (the avx2 build's) and oneDNN on a 2-core Sapphire Rapids-class Xeon, the default model's 30
@@ -118,11 +123,11 @@ void panel_rows(int64_t M, const float* x, int64_t x_stride, const float* panel,
   }
 }
 
-// The tile kernel panel_linear names: on these builds only the 256-bit FMA tiles above.
-struct FmaTiles {};
+// The tile form panel_linear names: on these builds only the 256-bit FMA tiles above.
+struct FmaForm {};
 
 // One task's panels [begin, end) for `rows` rows of x (y: those rows' outputs, N apart).
-template <typename Tiles>
+template <typename Form>
 void task_panels(int64_t rows, const float* x, int64_t x_stride, const float* wp, int64_t panel_size, int64_t K,
                  const float* bias, float* y, int64_t N, int64_t begin, int64_t end) {
   for (int64_t p = begin; p < end; ++p)
@@ -143,19 +148,6 @@ void task_panels(int64_t rows, const float* x, int64_t x_stride, const float* wp
 // panel_pack_weight's copies start 64-byte aligned (torch's allocator; huge_pages.carve).
 constexpr int kTileRows512 = 12;
 
-#define TPSERVE_ACC512_DECL(i) __m512 acc##i##a = _mm512_setzero_ps(), acc##i##b = _mm512_setzero_ps();
-#define TPSERVE_ACC512_FMA(i)                                                \
-  if constexpr (R > i) {                                                     \
-    const __m512 xv = _mm512_set1_ps(x[i * x_stride + k]);                   \
-    acc##i##a = _mm512_fmadd_ps(w0, xv, acc##i##a);                          \
-    if constexpr (P == 2) acc##i##b = _mm512_fmadd_ps(w1, xv, acc##i##b);    \
-  }
-#define TPSERVE_ACC512_STORE(i)                                                                        \
-  if constexpr (R > i) {                                                                               \
-    store16(y + i * y_stride, _mm512_add_ps(acc##i##a, b0));                                           \
-    if constexpr (P == 2) store16(y + i * y_stride + kPanel, _mm512_add_ps(acc##i##b, b1));            \
-  }
-
 // Weights as they sit in the panels: float32, or bf16 (as its bits) widened to float32 on load,
 // exactly (a bf16 value is a float32 with the low 16 bits zero).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -171,24 +163,49 @@ inline void store16(uint16_t* p, __m512 v) {
 }
 #endif
 
-// R x rows (x_stride apart) times P (1 or 2) panels (panel_size floats apart) into y's 16 P
-// columns (y_stride apart), plus bias (16 P values, or null). pf0, pf1: panels to prefetch into
-// L2, one line of each per k, or null.
-template <int R, int P, typename W, typename Y>
-void tile512(const float* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K, const float* bias,
+// How a tile multiplies: FmaForm, float32 x against float32 panels or bf16 ones widened as they
+// load, one k a step, FMAs; PairForm (below, AVX512-BF16), bf16 x against pair panels, one k-pair
+// a step, vdpbf16ps. Each names the panel values a step reads (kStep) and the x values (kXStep),
+// the weight load, the broadcast of a row's x and the multiply-add into a float32 accumulator.
+struct FmaForm {
+  static constexpr int64_t kStep = kPanel, kXStep = 1;
+  template <typename W>
+  static __m512 weights(const W* p) { return load16(p); }
+  static __m512 broadcast(const float* x) { return _mm512_set1_ps(*x); }
+  static __m512 mac(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+
+#define TPSERVE_ACC512_DECL(i) __m512 acc##i##a = _mm512_setzero_ps(), acc##i##b = _mm512_setzero_ps();
+#define TPSERVE_ACC512_MAC(i)                                                  \
+  if constexpr (R > i) {                                                     \
+    const auto xv = Form::broadcast(x + i * x_stride + Form::kXStep * k);    \
+    acc##i##a = Form::mac(acc##i##a, w0, xv);                                \
+    if constexpr (P == 2) acc##i##b = Form::mac(acc##i##b, w1, xv);          \
+  }
+#define TPSERVE_ACC512_STORE(i)                                                                        \
+  if constexpr (R > i) {                                                                               \
+    store16(y + i * y_stride, _mm512_add_ps(acc##i##a, b0));                                           \
+    if constexpr (P == 2) store16(y + i * y_stride + kPanel, _mm512_add_ps(acc##i##b, b1));            \
+  }
+
+// R x rows (x_stride apart) times P (1 or 2) panels (panel_size values apart, `steps` steps of
+// Form::kStep values each) into y's 16 P columns (y_stride apart), plus bias (16 P values, or null).
+// pf0, pf1: panels to prefetch into L2, one line of each per step, or null.
+template <typename Form, int R, int P, typename X, typename W, typename Y>
+void tile512(const X* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t steps, const float* bias,
              Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
   TPSERVE_ACC512_DECL(0) TPSERVE_ACC512_DECL(1) TPSERVE_ACC512_DECL(2) TPSERVE_ACC512_DECL(3)
   TPSERVE_ACC512_DECL(4) TPSERVE_ACC512_DECL(5) TPSERVE_ACC512_DECL(6) TPSERVE_ACC512_DECL(7)
   TPSERVE_ACC512_DECL(8) TPSERVE_ACC512_DECL(9) TPSERVE_ACC512_DECL(10) TPSERVE_ACC512_DECL(11)
 #pragma GCC unroll 2
-  for (int64_t k = 0; k < K; ++k) {
-    if (pf0) _mm_prefetch(reinterpret_cast<const char*>(pf0 + k * kPanel), _MM_HINT_T1);
-    if (pf1) _mm_prefetch(reinterpret_cast<const char*>(pf1 + k * kPanel), _MM_HINT_T1);
-    const __m512 w0 = load16(panel + k * kPanel);
-    const __m512 w1 = P == 2 ? load16(panel + panel_size + k * kPanel) : w0;
-    TPSERVE_ACC512_FMA(0) TPSERVE_ACC512_FMA(1) TPSERVE_ACC512_FMA(2) TPSERVE_ACC512_FMA(3)
-    TPSERVE_ACC512_FMA(4) TPSERVE_ACC512_FMA(5) TPSERVE_ACC512_FMA(6) TPSERVE_ACC512_FMA(7)
-    TPSERVE_ACC512_FMA(8) TPSERVE_ACC512_FMA(9) TPSERVE_ACC512_FMA(10) TPSERVE_ACC512_FMA(11)
+  for (int64_t k = 0; k < steps; ++k) {
+    if (pf0) _mm_prefetch(reinterpret_cast<const char*>(pf0 + k * Form::kStep), _MM_HINT_T1);
+    if (pf1) _mm_prefetch(reinterpret_cast<const char*>(pf1 + k * Form::kStep), _MM_HINT_T1);
+    const auto w0 = Form::weights(panel + k * Form::kStep);
+    const auto w1 = P == 2 ? Form::weights(panel + panel_size + k * Form::kStep) : w0;
+    TPSERVE_ACC512_MAC(0) TPSERVE_ACC512_MAC(1) TPSERVE_ACC512_MAC(2) TPSERVE_ACC512_MAC(3)
+    TPSERVE_ACC512_MAC(4) TPSERVE_ACC512_MAC(5) TPSERVE_ACC512_MAC(6) TPSERVE_ACC512_MAC(7)
+    TPSERVE_ACC512_MAC(8) TPSERVE_ACC512_MAC(9) TPSERVE_ACC512_MAC(10) TPSERVE_ACC512_MAC(11)
   }
   const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 b1 = bias && P == 2 ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
@@ -197,57 +214,8 @@ void tile512(const float* x, int64_t x_stride, const W* panel, int64_t panel_siz
   TPSERVE_ACC512_STORE(8) TPSERVE_ACC512_STORE(9) TPSERVE_ACC512_STORE(10) TPSERVE_ACC512_STORE(11)
 }
 #undef TPSERVE_ACC512_DECL
-#undef TPSERVE_ACC512_FMA
+#undef TPSERVE_ACC512_MAC
 #undef TPSERVE_ACC512_STORE
-
-// The tile kernels the row and panel loops below run: the float32 FMA tiles above (float32 x, float32 or
-// widened bf16 panels), or the vdpbf16ps tiles of pair panels (bf16 x, PairTiles below).
-struct FmaTiles {
-  template <int R, int P, typename W, typename Y>
-  static void run(const float* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K, const float* bias,
-                  Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
-    tile512<R, P>(x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
-  }
-};
-
-// The last tile of a panel's rows: `rest` (1 to kTileRows512 - 1) rows, a compile-time count each.
-template <typename Tiles, int P, int R = kTileRows512 - 1, typename X, typename W, typename Y>
-void tile512_rest(int64_t rest, const X* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K,
-                  const float* bias, Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
-  if constexpr (R > 0) {
-    if (rest == R) return Tiles::template run<R, P>(x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
-    tile512_rest<Tiles, P, R - 1>(rest, x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
-  }
-}
-
-// All M rows against P panels: full tiles of kTileRows512, then one tile of the rest. The first
-// tile prefetches the next panels.
-template <typename Tiles, int P, typename X, typename W, typename Y>
-void panel_rows512(int64_t M, const X* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K,
-                   const float* bias, Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
-  int64_t m = 0;
-  for (; m + kTileRows512 <= M; m += kTileRows512)
-    Tiles::template run<kTileRows512, P>(x + m * x_stride, x_stride, panel, panel_size, K, bias, y + m * y_stride,
-                                         y_stride, m == 0 ? pf0 : nullptr, m == 0 ? pf1 : nullptr);
-  if (m < M)
-    tile512_rest<Tiles, P>(M - m, x + m * x_stride, x_stride, panel, panel_size, K, bias, y + m * y_stride, y_stride,
-                           m == 0 ? pf0 : nullptr, m == 0 ? pf1 : nullptr);
-}
-
-// One task's panels [begin, end) for `rows` rows of x, two at a time (an odd last one alone).
-template <typename Tiles = FmaTiles, typename X, typename W, typename Y>
-void task_panels(int64_t rows, const X* x, int64_t x_stride, const W* wp, int64_t panel_size, int64_t K,
-                 const float* bias, Y* y, int64_t N, int64_t begin, int64_t end) {
-  for (int64_t p = begin; p < end; p += 2) {
-    const W* pf0 = p + 2 < end ? wp + (p + 2) * panel_size : nullptr;
-    const W* pf1 = p + 3 < end ? wp + (p + 3) * panel_size : nullptr;
-    const float* b = bias ? bias + p * kPanel : nullptr;
-    if (p + 1 < end)
-      panel_rows512<Tiles, 2>(rows, x, x_stride, wp + p * panel_size, panel_size, K, b, y + p * kPanel, N, pf0, pf1);
-    else
-      panel_rows512<Tiles, 1>(rows, x, x_stride, wp + p * panel_size, panel_size, K, b, y + p * kPanel, N, pf0, pf1);
-  }
-}
 
 #if defined(TPSERVE_PANEL_BF16)
 // ---- Pair panels: bf16 x bf16 on vdpbf16ps ----
@@ -262,53 +230,58 @@ void task_panels(int64_t rows, const X* x, int64_t x_stride, const W* wp, int64_
 // two forms against each other at load. Sums: both products of a pair are exact in float32 and
 // added to the accumulator in turn (the instruction's order), denormal inputs and results flushed
 // to zero, then the bias, then one rounding to bf16: the widened panels' float32 sum in another
-// order.
-#define TPSERVE_ACCDP_DECL(i) __m512 acc##i##a = _mm512_setzero_ps(), acc##i##b = _mm512_setzero_ps();
-#define TPSERVE_ACCDP_DOT(i)                                                                         \
-  if constexpr (R > i) {                                                                             \
-    int32_t pair;                                                                                    \
-    std::memcpy(&pair, x + i * x_stride + 2 * k, sizeof(pair));                                      \
-    const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                           \
-    acc##i##a = _mm512_dpbf16_ps(acc##i##a, w0, xv);                                                 \
-    if constexpr (P == 2) acc##i##b = _mm512_dpbf16_ps(acc##i##b, w1, xv);                           \
+// order. The same tiles as FmaForm's: 12 x 2 accumulators + 2 weight vectors + the broadcast.
+struct PairForm {
+  static constexpr int64_t kStep = 2 * kPanel, kXStep = 2;
+  static __m512bh weights(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512bh broadcast(const uint16_t* x) {
+    int32_t pair;
+    std::memcpy(&pair, x, sizeof(pair));
+    return (__m512bh)_mm512_set1_epi32(pair);
   }
-#define TPSERVE_ACCDP_STORE(i)                                                                       \
-  if constexpr (R > i) {                                                                             \
-    store16(y + i * y_stride, _mm512_add_ps(acc##i##a, b0));                                         \
-    if constexpr (P == 2) store16(y + i * y_stride + kPanel, _mm512_add_ps(acc##i##b, b1));          \
-  }
-
-struct PairTiles {
-  // R rows of bf16 x (x_stride apart) times P pair panels (panel_size values apart, K2 = K/2 lines
-  // each) into y's 16 P bf16 columns; pf0, pf1: panels to prefetch into L2, one line per k-pair.
-  // 12 x 2 accumulators + 2 weight vectors + the broadcast: 27 zmm, as the FMA tiles.
-  template <int R, int P>
-  static void run(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t panel_size, int64_t K2,
-                  const float* bias, uint16_t* y, int64_t y_stride, const uint16_t* pf0, const uint16_t* pf1) {
-    TPSERVE_ACCDP_DECL(0) TPSERVE_ACCDP_DECL(1) TPSERVE_ACCDP_DECL(2) TPSERVE_ACCDP_DECL(3)
-    TPSERVE_ACCDP_DECL(4) TPSERVE_ACCDP_DECL(5) TPSERVE_ACCDP_DECL(6) TPSERVE_ACCDP_DECL(7)
-    TPSERVE_ACCDP_DECL(8) TPSERVE_ACCDP_DECL(9) TPSERVE_ACCDP_DECL(10) TPSERVE_ACCDP_DECL(11)
-#pragma GCC unroll 2
-    for (int64_t k = 0; k < K2; ++k) {
-      if (pf0) _mm_prefetch(reinterpret_cast<const char*>(pf0 + k * 2 * kPanel), _MM_HINT_T1);
-      if (pf1) _mm_prefetch(reinterpret_cast<const char*>(pf1 + k * 2 * kPanel), _MM_HINT_T1);
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + k * 2 * kPanel);
-      const __m512bh w1 = P == 2 ? (__m512bh)_mm512_loadu_si512(panel + panel_size + k * 2 * kPanel) : w0;
-      TPSERVE_ACCDP_DOT(0) TPSERVE_ACCDP_DOT(1) TPSERVE_ACCDP_DOT(2) TPSERVE_ACCDP_DOT(3)
-      TPSERVE_ACCDP_DOT(4) TPSERVE_ACCDP_DOT(5) TPSERVE_ACCDP_DOT(6) TPSERVE_ACCDP_DOT(7)
-      TPSERVE_ACCDP_DOT(8) TPSERVE_ACCDP_DOT(9) TPSERVE_ACCDP_DOT(10) TPSERVE_ACCDP_DOT(11)
-    }
-    const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512 b1 = bias && P == 2 ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
-    TPSERVE_ACCDP_STORE(0) TPSERVE_ACCDP_STORE(1) TPSERVE_ACCDP_STORE(2) TPSERVE_ACCDP_STORE(3)
-    TPSERVE_ACCDP_STORE(4) TPSERVE_ACCDP_STORE(5) TPSERVE_ACCDP_STORE(6) TPSERVE_ACCDP_STORE(7)
-    TPSERVE_ACCDP_STORE(8) TPSERVE_ACCDP_STORE(9) TPSERVE_ACCDP_STORE(10) TPSERVE_ACCDP_STORE(11)
-  }
+  static __m512 mac(__m512 acc, __m512bh w, __m512bh x) { return _mm512_dpbf16_ps(acc, w, x); }
 };
-#undef TPSERVE_ACCDP_DECL
-#undef TPSERVE_ACCDP_DOT
-#undef TPSERVE_ACCDP_STORE
 #endif
+
+// The last tile of a panel's rows: `rest` (1 to kTileRows512 - 1) rows, a compile-time count each.
+template <typename Form, int P, int R = kTileRows512 - 1, typename X, typename W, typename Y>
+void tile512_rest(int64_t rest, const X* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K,
+                  const float* bias, Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
+  if constexpr (R > 0) {
+    if (rest == R) return tile512<Form, R, P>(x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
+    tile512_rest<Form, P, R - 1>(rest, x, x_stride, panel, panel_size, K, bias, y, y_stride, pf0, pf1);
+  }
+}
+
+// All M rows against P panels: full tiles of kTileRows512, then one tile of the rest. The first
+// tile prefetches the next panels.
+template <typename Form, int P, typename X, typename W, typename Y>
+void panel_rows512(int64_t M, const X* x, int64_t x_stride, const W* panel, int64_t panel_size, int64_t K,
+                   const float* bias, Y* y, int64_t y_stride, const W* pf0, const W* pf1) {
+  int64_t m = 0;
+  for (; m + kTileRows512 <= M; m += kTileRows512)
+    tile512<Form, kTileRows512, P>(x + m * x_stride, x_stride, panel, panel_size, K, bias, y + m * y_stride,
+                                         y_stride, m == 0 ? pf0 : nullptr, m == 0 ? pf1 : nullptr);
+  if (m < M)
+    tile512_rest<Form, P>(M - m, x + m * x_stride, x_stride, panel, panel_size, K, bias, y + m * y_stride, y_stride,
+                           m == 0 ? pf0 : nullptr, m == 0 ? pf1 : nullptr);
+}
+
+// One task's panels [begin, end) for `rows` rows of x, two at a time (an odd last one alone).
+template <typename Form = FmaForm, typename X, typename W, typename Y>
+void task_panels(int64_t rows, const X* x, int64_t x_stride, const W* wp, int64_t panel_size, int64_t K,
+                 const float* bias, Y* y, int64_t N, int64_t begin, int64_t end) {
+  for (int64_t p = begin; p < end; p += 2) {
+    const W* pf0 = p + 2 < end ? wp + (p + 2) * panel_size : nullptr;
+    const W* pf1 = p + 3 < end ? wp + (p + 3) * panel_size : nullptr;
+    const float* b = bias ? bias + p * kPanel : nullptr;
+    if (p + 1 < end)
+      panel_rows512<Form, 2>(rows, x, x_stride, wp + p * panel_size, panel_size, K, b, y + p * kPanel, N, pf0, pf1);
+    else
+      panel_rows512<Form, 1>(rows, x, x_stride, wp + p * panel_size, panel_size, K, b, y + p * kPanel, N, pf0, pf1);
+  }
+}
+
 #endif
 
 void check_weight(const at::Tensor& weight) {
@@ -383,7 +356,7 @@ bool panel_linear_bf16_available() {
 // y [M, N] = x W^T + bias. float32 x and panels: float32 y. bf16 x and panels (AVX512-BF16 builds):
 // x widened to float32 once, the panels' weights widened as they load, float32 sums (the products
 // of two bf16 values are exact in float32) plus the bias, rounded once to a bf16 y. bf16 x and pair
-// panels ([N/16, K/2, 32]): the same sums on vdpbf16ps, x read as it is (PairTiles).
+// panels ([N/16, K/2, 32]): the same sums on vdpbf16ps, x read as it is (PairForm).
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
   const bool pairs = bf16 && packed.dim() == 3 && packed.size(2) == 2 * kPanel;
@@ -415,11 +388,11 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   const int64_t x_stride = x.stride(0), panel_size = K * kPanel;
   // Each task owns whole panels and takes the rows in blocks of kRowBlock past all of them; `k_steps`:
   // the tiles' k loop count (K, or K/2 pairs).
-  auto run = [&](auto tiles, const auto* xp, const auto* wp, auto* yp, int64_t k_steps) {
+  auto run = [&](auto form, const auto* xp, const auto* wp, auto* yp, int64_t k_steps) {
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
         const int64_t rows = std::min(kRowBlock, M - m0);
-        task_panels<decltype(tiles)>(rows, xp + m0 * x_stride, x_stride, wp, panel_size, k_steps, bias_ptr,
+        task_panels<decltype(form)>(rows, xp + m0 * x_stride, x_stride, wp, panel_size, k_steps, bias_ptr,
                                      yp + m0 * N, N, begin, end);
       }
     });
@@ -429,13 +402,13 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
     const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
     auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
     if (pairs)
-      run(PairTiles{}, reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), wp, yp, K / 2);
+      run(PairForm{}, reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), wp, yp, K / 2);
     else
-      run(FmaTiles{}, x.data_ptr<float>(), wp, yp, K);
+      run(FmaForm{}, x.data_ptr<float>(), wp, yp, K);
     return y;
   }
 #endif
-  run(FmaTiles{}, x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), K);
+  run(FmaForm{}, x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), K);
   return y;
 #else
   TORCH_CHECK(false, "panel_linear: built without AVX2 + FMA (panel_linear_available() is false)");

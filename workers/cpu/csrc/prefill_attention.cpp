@@ -27,7 +27,10 @@
 // 6,144-token one 2.59-2.73 vs 3.09-3.29 s. Then the softmax's row sums in 16 lanes and a cheaper
 // exp (exp2_512): a 4,096-token prompt's attention 21.1 -> 18.8 ms a layer, 1,024 tokens 1.61 ->
 // 1.42 (2 threads, alternated in one process). The vdpbf16ps tiles ran at 0.5-0.9x that SDPA
-// (torch's AMX flash attention), so Python keeps SDPA where there is no AMX. float32, 512-bit
+// (torch's AMX flash attention) on that Xeon; on a 2-core AMD Zen 4 (no AMX, vdpbf16ps at twice
+// its FMAs' rate) they ran 2.9-4.6x torch's non-AMX SDPA (a 1,024-token prompt 4.1 vs 14.3 ms a
+// layer), so where there is no AMX Python times the two at load (workers/attention/
+// cpu_prefill_choice.py). float32, 512-bit
 // tiles against the AVX2 ones, alternated in one process: 1.22-1.28x (a 1,024-token prompt 12.5
 // vs 16.1 ms, 8 prompts / 2,048 tokens 9.5 vs 11.7 ms).
 
