@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 import torch
 
 from workers.attention.paged import AttentionMetadata, PrefillChunk, _sdpa_prefills
 from workers.cpu import kernels as cpu_ops
+from workers.cpu.timing import fastest_alternated
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +88,7 @@ def bf16_prefill_kernel_wins(heads: int, kv_heads: int, head_dim: int) -> bool:
     def sdpa():
         _sdpa_prefills(out, q, k, v, k_cache, v_cache, meta, scale, None, None)
 
-    sides = {"kernel": kernel, "sdpa": sdpa}
-    best = dict.fromkeys(sides, float("inf"))
-    for repeat in range(PROBE_REPEATS + 1):  # the first call of each is a warm-up
-        for name in (sides if repeat % 2 else reversed(list(sides))):
-            start = time.perf_counter()
-            sides[name]()
-            if repeat:
-                best[name] = min(best[name], time.perf_counter() - start)
+    best = fastest_alternated({"kernel": kernel, "sdpa": sdpa}, PROBE_REPEATS)
     wins = best["kernel"] < best["sdpa"]
     logger.info("bf16 prefill attention through %s (timed at load: a %d-token prompt, %d / %d heads of %d: "
                 "kernel %.2f ms, SDPA %.2f ms)", "tpserve's kernel" if wins else "SDPA", n, heads, kv_heads,

@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workers.cpu import huge_pages
+from workers.cpu.timing import fastest_alternated
 
 logger = logging.getLogger(__name__)
 
@@ -126,24 +126,16 @@ def _calibration_weights(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype
     return copies, [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies) for n, k in shapes]
 
 
-def _fastest(kernels: dict, repeats: int = CALIBRATION_REPEATS) -> dict[str, float]:
-    """Each kernel's fastest pass in seconds, the kernels alternated (in turning order), after one
-    warm-up pass each."""
-    best = dict.fromkeys(kernels, float("inf"))
-    for repeat in range(repeats + 1):
-        for name in (kernels if repeat % 2 else reversed(list(kernels))):
-            start = time.perf_counter()
-            kernels[name]()
-            if repeat:
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best
+# The last dim of k-pair panels ([N/16, K/2, PAIR_PANEL_WIDTH]): 16 features x 2 k values.
+PAIR_PANEL_WIDTH = 32
 
 
 def _panel_pass(panels: list[torch.Tensor], xs: dict[int, torch.Tensor]):
     """One pass of panel_linear over packed panels, each given the probe rows of its K."""
     def run():
         for w in panels:
-            torch.ops.tpserve_cpu.panel_linear(xs[w.size(1) * (2 if w.size(2) == 32 else 1)], w, None)
+            k = w.size(1) * (2 if w.size(2) == PAIR_PANEL_WIDTH else 1)
+            torch.ops.tpserve_cpu.panel_linear(xs[k], w, None)
     return run
 
 
@@ -158,7 +150,7 @@ def pair_panels_win(shapes: tuple[tuple[int, int], ...]) -> bool:
              "widened": [torch.ops.tpserve_cpu.panel_pack_weight(w) for w in weights]}
     del weights
     xs = {k: torch.randn(PAIR_PROBE, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
-    best = _fastest({name: _panel_pass(panels, xs) for name, panels in forms.items()})
+    best = fastest_alternated({name: _panel_pass(panels, xs) for name, panels in forms.items()}, CALIBRATION_REPEATS)
     logger.info("bf16 panels at %d rows over %d copies of %s: pairs (vdpbf16ps) %.2f ms, widened (FMA) %.2f ms",
                 PAIR_PROBE, copies, list(shapes), 1e3 * best["pairs"], 1e3 * best["widened"])
     return best["pairs"] < best["widened"]
@@ -185,7 +177,7 @@ def calibrate_panel_rows(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype
             for w, (_, k) in zip(packed, shapes * copies):
                 torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
 
-        best = _fastest({"panel": _panel_pass(panels, xs), "onednn": run_onednn})
+        best = fastest_alternated({"panel": _panel_pass(panels, xs), "onednn": run_onednn}, CALIBRATION_REPEATS)
         faster[probe] = best["panel"] <= best["onednn"]
         timings.append((probe, best["panel"], best["onednn"]))
         if not faster[probe]:
@@ -217,9 +209,9 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
     laid out per `layout`: LAYOUT_AMX (bf16 on a CPU with AMX) a copy in AMX tile order for
     amx_linear, LAYOUT_PANEL (float32, or bf16 without AMX) a copy in panels for panel_linear,
     LAYOUT_PAIRS (bf16 without AMX, even K) a copy in k-pair panels for panel_linear's vdpbf16ps
-    tiles, LAYOUT_PLAIN the plain weight for skinny_linear (bf16), which is then kept. A weight no small-batch kernel reads and
-    no other module uses is dropped (the packed copy replaces it); one that is shared (an LM head
-    tied to the embedding table) is kept for its other user."""
+    tiles, LAYOUT_PLAIN the plain weight for skinny_linear (bf16), which is then kept. A weight no
+    small-batch kernel reads and no other module uses is dropped (the packed copy replaces it); one
+    that is shared (an LM head tied to the embedding table) is kept for its other user."""
     pack_small = {LAYOUT_AMX: torch.ops.tpserve_cpu.amx_pack_weight,
                   LAYOUT_PANEL: torch.ops.tpserve_cpu.panel_pack_weight,
                   LAYOUT_PAIRS: functools.partial(torch.ops.tpserve_cpu.panel_pack_weight, pairs=True),
