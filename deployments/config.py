@@ -151,7 +151,7 @@ class TpserveConfig(BaseModel):
     # bf16 on CPUs with AMX amx_linear up to 64 rows (1.3-1.9x at 1-32 rows on a Xeon), bf16 with
     # AVX512-BF16 only panel_linear on bf16 panels for as many rows as it was timed faster (1.4-1.7x
     # oneDNN on a Xeon's avx512_bf16 build; on a Zen 4 its vdpbf16ps k-pair panels, every batch,
-    # 1.1-1.5x), else skinny_linear up to 8 rows (workers/cpu/linear.py).
+    # 1.1-1.7x oneDNN's speed), else skinny_linear up to 8 rows (workers/cpu/linear.py).
     # Off = oneDNN's packed GEMM only.
     cpu_small_batch_linear: bool = True
     # CPU: prefill chunks through the kernels' flash attention, which reads the paged KV cache in
