@@ -22,6 +22,7 @@ from workers.runner.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, gpu_kv
 from workers.model.backend import TORCH, TorchBackend, select_backend
 from workers.model.decoder import DecoderForCausalLM, build_model
 from workers.model.config import ModelConfig
+from workers.model.tp_layers import local_attention_heads
 from workers.runner.model_runner import ModelRunner
 from workers.distributed.device_binding import bind_device, rank_device
 from workers.distributed.parallel_state import TPGroup
@@ -126,9 +127,9 @@ class WorkerCore:
         start = time.perf_counter()
         cfg = self.config
         bind_device(self.device)
-        mc, ranks = self.model_config, self.tp.world_size
-        # This rank's attention heads (KV heads replicated, one a rank, where fewer than the ranks).
-        heads = (mc.num_attention_heads // ranks, max(1, mc.num_key_value_heads // ranks), mc.head_dim)
+        mc = self.model_config
+        heads = (*local_attention_heads(mc.num_attention_heads, mc.num_key_value_heads, self.tp.world_size),
+                 mc.head_dim)
         self.backend = select_backend(self.device, cfg.dtype, cfg.cpu_kernels,
                                       prefill_attention=cfg.cpu_prefill_attention, layer_stack=cfg.cpu_layer_stack,
                                       heads=heads)

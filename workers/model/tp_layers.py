@@ -29,6 +29,15 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def local_attention_heads(num_heads: int, num_kv_heads: int, world_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) on each of `world_size` ranks: query heads split evenly; KV heads
+    split evenly, or one a rank where there are fewer KV heads than ranks (each then replicated)."""
+    local_heads = divide(num_heads, world_size, "num_attention_heads")
+    if num_kv_heads >= world_size:
+        return local_heads, divide(num_kv_heads, world_size, "num_key_value_heads")
+    return local_heads, 1
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A split by columns (output features).
 
@@ -73,13 +82,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TPGroup,
                  bias: bool = False, dtype: torch.dtype = torch.float32) -> None:
         n = tp.world_size
-        self.num_local_heads = divide(num_heads, n, "num_attention_heads")
-        if num_kv_heads >= n:
-            self.num_local_kv_heads = divide(num_kv_heads, n, "num_key_value_heads")
-            self.kv_replicas = 1
-        else:
-            self.kv_replicas = divide(n, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
-            self.num_local_kv_heads = 1
+        self.num_local_heads, self.num_local_kv_heads = local_attention_heads(num_heads, num_kv_heads, n)
+        self.kv_replicas = 1 if num_kv_heads >= n else divide(n, num_kv_heads,
+                                                               "tensor_parallel_size over num_key_value_heads")
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         super().__init__(hidden_size, [num_heads * head_dim], tp, bias, dtype)
