@@ -1,7 +1,7 @@
 """The single-stream weight-read floor: bytes one decode token reads, counted from config.json and
 checked against the parameters transformers itself builds for that config (on the meta device,
 so no weights are allocated); the bandwidth measured in a subprocess; serve_compare measuring it
-right before the 1-stream level and printing TPOT beside it."""
+right before and right after the 1-stream level and printing TPOT beside their mean."""
 
 from __future__ import annotations
 
@@ -92,6 +92,12 @@ def test_floor_is_bytes_over_bandwidth(monkeypatch):
     report = weight_read_floor.floor_report(floor, 25.0)
     assert report["median_tpot_ms"] == 25.0 and report["floor_ms"] == 10.0 and report["tpot_over_floor"] == 2.5
     assert weight_read_floor.floor_report(floor, None)["tpot_over_floor"] is None
+    # Measured again after the level at 40 GB/s (5 ms): the ratio is over the mean floor, both kept.
+    faster = weight_read_floor.WeightReadFloor(bytes_per_token=200_000_000, read_gbps=40.0, floor_ms=5.0,
+                                               llc_bytes=32 << 20, bandwidth={})
+    bracketed = weight_read_floor.floor_report(floor, 25.0, faster)
+    assert bracketed["floor_ms"] == 7.5 and bracketed["tpot_over_floor"] == round(25.0 / 7.5, 3)
+    assert (bracketed["floor_ms_before"], bracketed["floor_ms_after"]) == (10.0, 5.0)
     # Weights within twice the LLC: a second buffer past it gives the memory-bandwidth floor too.
     monkeypatch.setattr(weight_read_floor, "last_level_cache_bytes", lambda: 480 << 20)
     assert weight_read_floor.weight_read_floor(200_000_000).beyond_llc_floor_ms == 10.0
@@ -105,10 +111,11 @@ class _Server:
         self.log.append("stop")
 
 
-def test_serve_compare_measures_the_floor_right_before_the_one_stream_level(fake_server, monkeypatch):
+def test_serve_compare_measures_the_floor_right_before_and_after_the_one_stream_level(fake_server, monkeypatch):
     log: list = []
-    floor = weight_read_floor.WeightReadFloor(bytes_per_token=10**8, read_gbps=50.0, floor_ms=2.0, llc_bytes=0,
-                                              bandwidth={})
+    # The machine drifts while the level runs: 2 ms before it, 3 ms after it.
+    floors = iter([weight_read_floor.WeightReadFloor(bytes_per_token=10**8, read_gbps=gbps, floor_ms=ms, llc_bytes=0,
+                                                     bandwidth={}) for gbps, ms in ((50.0, 2.0), (33.3, 3.0))])
     real_load = serve_compare.load_level
 
     def load(url, concurrency, *rest):
@@ -117,7 +124,7 @@ def test_serve_compare_measures_the_floor_right_before_the_one_stream_level(fake
 
     def measure(nbytes):
         log.append(f"floor {nbytes}")
-        return floor
+        return next(floors)
 
     monkeypatch.setattr(serve_compare, "load_level", load)
     monkeypatch.setattr(serve_compare, "weight_read_floor", measure)
@@ -125,13 +132,14 @@ def test_serve_compare_measures_the_floor_right_before_the_one_stream_level(fake
                               goodput_tpot_ms=100.0, weight_bytes_per_token=10**8)
     workloads = {4: [BenchRequest(f"b{i}", 3, 3) for i in range(4)], 1: [BenchRequest(f"a{i}", 3, 3) for i in range(2)]}
     out = serve_compare.bench_one("vllm", lambda streams: _Server(fake_server, log), None, workloads, args)
-    assert log == ["load 4", f"floor {10**8}", "load 1", "stop"]
+    assert log == ["load 4", f"floor {10**8}", "load 1", f"floor {10**8}", "stop"]
     one = out["1"]["weight_read_floor"]
-    assert one["floor_ms"] == 2.0 and one["median_tpot_ms"] == out["1"]["median_tpot_ms"]
-    assert one["tpot_over_floor"] == round(out["1"]["median_tpot_ms"] / 2.0, 3)
+    assert one["floor_ms"] == 2.5 and one["median_tpot_ms"] == out["1"]["median_tpot_ms"]
+    assert (one["floor_ms_before"], one["floor_ms_after"]) == (2.0, 3.0)
+    assert one["tpot_over_floor"] == round(out["1"]["median_tpot_ms"] / 2.5, 3)
     assert "weight_read_floor" not in out["4"]
     assert serve_compare.single_stream_floor({"vllm": out}) == {
-        "vllm": {"median_tpot_ms": one["median_tpot_ms"], "floor_ms": 2.0, "tpot_over_floor": one["tpot_over_floor"]}}
+        "vllm": {"median_tpot_ms": one["median_tpot_ms"], "floor_ms": 2.5, "tpot_over_floor": one["tpot_over_floor"]}}
 
 
 def test_rounds_average_the_floor_and_divide_the_mean_tpot_by_it():
@@ -158,3 +166,24 @@ def test_a_failed_bandwidth_run_leaves_the_level_measured(fake_server, monkeypat
                               goodput_tpot_ms=100.0, weight_bytes_per_token=10**8)
     out = serve_compare.load_level_with_floor(fake_server, 1, [BenchRequest("a", 3, 2), BenchRequest("b", 3, 2)], args, 0)
     assert out["completed"] == 2 and "error" in out["weight_read_floor"]
+
+
+def test_a_failed_bandwidth_run_after_the_level_keeps_the_floor_before_it(fake_server, monkeypatch):
+    import subprocess
+
+    before = weight_read_floor.WeightReadFloor(bytes_per_token=10**8, read_gbps=50.0, floor_ms=2.0, llc_bytes=0,
+                                               bandwidth={})
+    calls = iter([before])
+
+    def measure(nbytes):
+        try:
+            return next(calls)
+        except StopIteration:
+            raise subprocess.CalledProcessError(1, ["python"], stderr="killed") from None
+
+    monkeypatch.setattr(serve_compare, "weight_read_floor", measure)
+    args = argparse.Namespace(client="tpserve", request_rate=math.inf, seed=0, max_duration=30, goodput_ttft_ms=1e3,
+                              goodput_tpot_ms=100.0, weight_bytes_per_token=10**8)
+    out = serve_compare.load_level_with_floor(fake_server, 1, [BenchRequest("a", 3, 2), BenchRequest("b", 3, 2)], args, 0)
+    assert out["completed"] == 2 and out["weight_read_floor"]["floor_ms"] == 2.0
+    assert "floor_ms_after" not in out["weight_read_floor"]

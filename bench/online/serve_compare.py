@@ -29,9 +29,9 @@ Before the servers, the offline engines run on the 16-stream level's
 workload (`bench.offline.offline_compare`: tpserve's LLMEngine vs vLLM's LLM.generate), the third column.
 
 At the 1-stream level each server's median TPOT stands beside the weight-read floor, measured right
-before that level (bench.online.weight_read_floor: bytes of weights one decode token reads / the
-read bandwidth a torch sum measures on the servers' thread count); `single_stream_floor` collects
-them. Last, the TTFT curve (bench.online.ttft_curve, `--ttft-curve 1024,4096,6144`, '' to skip):
+before that level and right after it, the ratio over their mean (bench.online.weight_read_floor:
+bytes of weights one decode token reads / the read bandwidth a torch sum measures on the servers'
+thread count); `single_stream_floor` collects them. Last, the TTFT curve (bench.online.ttft_curve, `--ttft-curve 1024,4096,6144`, '' to skip):
 one request at a time at each prompt length, on a start of each server whose max_model_len holds
 the longest prompt, so the levels' servers keep their settings.
 
@@ -137,8 +137,8 @@ def load_level_vllm_bench(base_url: str, concurrency: int, num_prompts: int, arg
 
 
 def load_level_with_floor(base_url: str, concurrency: int, requests: list, args, seed: int) -> dict:
-    """load_level; at one stream, the weight-read floor measured right before it (machines drift)
-    and put beside its TPOT."""
+    """load_level; at one stream, the weight-read floor measured right before it and right after it
+    (machines drift: floor_report puts the mean of the two beside its TPOT)."""
     bytes_per_token = getattr(args, "weight_bytes_per_token", None)
     if concurrency != 1 or not bytes_per_token:
         return load_level(base_url, concurrency, requests, args, seed)
@@ -148,7 +148,13 @@ def load_level_with_floor(base_url: str, concurrency: int, requests: list, args,
         logger.exception("weight-read floor not measured")
         return load_level(base_url, concurrency, requests, args, seed) | {"weight_read_floor": {"error": str(exc)[:500]}}
     result = load_level(base_url, concurrency, requests, args, seed)
-    result["weight_read_floor"] = floor_report(floor, result.get("median_tpot_ms") if result.get("completed") else None)
+    try:
+        after = weight_read_floor(bytes_per_token)
+    except (subprocess.SubprocessError, OSError, ValueError):  # the floor before still stands alone
+        logger.exception("weight-read floor after the level not measured")
+        after = None
+    result["weight_read_floor"] = floor_report(floor, result.get("median_tpot_ms") if result.get("completed") else None,
+                                               after)
     return result
 
 
@@ -220,7 +226,7 @@ def alternate_rounds(base_urls: dict[str, str], rounds: int, run_levels: Callabl
 
 
 def mean_floor(runs: list[dict], mean_tpot_ms: float) -> dict | None:
-    """The rounds' weight-read floors (each measured before its round's 1-stream level): their mean,
+    """The rounds' weight-read floors (each around its round's 1-stream level): their mean,
     and the mean TPOT over it; None unless every round measured one."""
     floors = [run.get("weight_read_floor", {}).get("floor_ms") for run in runs]
     if not floors or not all(floors):
@@ -231,7 +237,7 @@ def mean_floor(runs: list[dict], mean_tpot_ms: float) -> dict | None:
 
 
 def single_stream_floor(out: dict) -> dict:
-    """Per server, its 1-stream TPOT p50 beside the weight-read floor measured before it."""
+    """Per server, its 1-stream TPOT p50 beside the weight-read floor measured around it."""
     summary = {}
     for name in PEERS:
         floor = out.get(name, {}).get("1", {}).get("weight_read_floor")

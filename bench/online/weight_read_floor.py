@@ -180,12 +180,22 @@ def _ms(nbytes: int, gbps: float) -> float:
     return round(nbytes / (gbps * 1e9) * 1e3, 3)
 
 
-def floor_report(floor: WeightReadFloor, median_tpot_ms: float | None) -> dict:
-    """What serve_compare prints beside a server's 1-stream level: its TPOT p50, the floor, their ratio."""
-    out = {"median_tpot_ms": median_tpot_ms, "floor_ms": floor.floor_ms, "read_gbps": floor.read_gbps,
+def floor_report(floor: WeightReadFloor, median_tpot_ms: float | None, after: WeightReadFloor | None = None) -> dict:
+    """What serve_compare prints beside a server's 1-stream level: its TPOT p50, the floor, their ratio.
+
+    `floor` is measured right before the level, `after` (if given) right after it. A VM's read
+    bandwidth can move by half within minutes (a 2-core EPYC read 27 GB/s, then 63, within one
+    `make bench-serve`), so one measurement can be far from what the level ran at: the floor the
+    ratio uses is then the mean of the two, and both stay in the report (their spread says how far
+    the machine drifted while the level ran)."""
+    floors = [floor] + ([after] if after is not None else [])
+    floor_ms = round(sum(f.floor_ms for f in floors) / len(floors), 3)
+    out = {"median_tpot_ms": median_tpot_ms, "floor_ms": floor_ms, "read_gbps": floor.read_gbps,
            "bytes_per_token": floor.bytes_per_token, "llc_bytes": floor.llc_bytes, "bandwidth": floor.bandwidth,
            "beyond_llc_floor_ms": floor.beyond_llc_floor_ms}
-    out["tpot_over_floor"] = round(median_tpot_ms / floor.floor_ms, 3) if median_tpot_ms else None
+    if after is not None:
+        out |= {"floor_ms_before": floor.floor_ms, "floor_ms_after": after.floor_ms, "read_gbps_after": after.read_gbps}
+    out["tpot_over_floor"] = round(median_tpot_ms / floor_ms, 3) if median_tpot_ms else None
     return out
 
 
