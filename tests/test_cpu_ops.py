@@ -168,6 +168,43 @@ def test_paged_decode_attention_matches_gather_and_sdpa(dtype, head_dim, heads, 
     assert_matches(out, expected, exact_bf16=False)
 
 
+def test_decode_context_splits_give_every_thread_an_equal_share_of_few_items():
+    splits = ops().decode_context_splits
+    assert splits(3, 1000, 2) == 2  # one request, 3 KV heads, 2 threads: 6 parts, 3 a thread
+    assert splits(1, 2000, 2) == 4  # one KV head: 4 parts, 2 a thread
+    assert splits(4, 5000, 2) == 1  # two items a thread already
+    assert splits(3, 300, 2) == 1  # parts would be shorter than 256 tokens
+    assert splits(3, 1000, 1) == 1  # one thread: nothing to balance
+    assert splits(1, 600, 4) == 2  # as many as the context allows: 2 parts of 300
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# (head_dim, heads, KV heads, context lengths): few enough items on 2 threads that the contexts are
+# split; [1200, 1]: the second request's one token leaves its other parts empty.
+@pytest.mark.parametrize("head_dim,heads,kv_heads,lens", [(64, 9, 3, [1000]), (128, 4, 1, [1200, 1]),
+                                                          (64, 8, 2, [900]), (256, 8, 1, [700]),
+                                                          (64, 14, 1, [1500, 300]), (32, 8, 1, [2000])])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (600, None), (None, 30.0)])
+def test_split_contexts_match_gather_and_sdpa(dtype, head_dim, heads, kv_heads, lens, window, soft_cap):
+    """One or two requests with long contexts: on 2 threads the kernel cuts each context into parts
+    (flash-decoding) and merges them by their largest scores and sums; the result is the
+    whole-context attention's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        longest = max(min(n, window or n) for n in lens)
+        assert ops().decode_context_splits(len(lens) * kv_heads, longest, 2) > 1
+        q, k_cache, v_cache, tables, context = _decode_case(dtype, head_dim, heads, kv_heads, lens)
+        scale = head_dim ** -0.5
+        expected, k_cache, v_cache = _reference(q, k_cache, v_cache, tables, context, scale, window, soft_cap)
+        out = torch.empty_like(q)
+        ops().paged_decode_attention(out, q, head_major(k_cache), head_major(v_cache), tables, context, scale,
+                                     window or 0, soft_cap or 0.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert_matches(out, expected, exact_bf16=False)
+
+
 def test_paged_decode_attention_takes_int32_tables_and_a_strided_query():
     q, k_cache, v_cache, tables, context = _decode_case(torch.float32, 64, 6, 2, [40, 9], index_dtype=torch.int32)
     expected, k_cache, v_cache = _reference(q, k_cache, v_cache, tables, context, 0.125, None, None)

@@ -13,7 +13,8 @@
 //   reshape_and_cache   this step's K/V written into their slots of the paged caches
 //   paged_decode_attention  one query token per request against its context read from the KV
 //                       blocks in place (no gather, no padding); GQA heads share each K/V row read;
-//                       optional sliding window and logit soft cap
+//                       optional sliding window and logit soft cap; with fewer (request, KV head)
+//                       items than two a thread, each context cut into parts and merged
 
 #include "vec.h"
 
@@ -256,11 +257,12 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_ca
 
 // One (request, KV head): its G query heads against context [start, len) read through the block
 // table (rows: context_rows). Scores are kept for the whole context (two passes: exact softmax,
-// then the weighted V sum).
-template <typename T>
-void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+// then the weighted V sum). out: T (the op's output) or float (one part of a split context);
+// stats, for a part: [2][G], each head's largest score, then its sum of exp(score - largest).
+template <typename T, typename O>
+void decode_one(O* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
                 int64_t start, int64_t group, int64_t d, float scale, float soft_cap, std::vector<float>& scores,
-                std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& row) {
+                std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& row, float* stats) {
   const int64_t n = len - start;
   scores.resize(group * n);
   for (int64_t g = 0; g < group; ++g) load_row(q + g * d, qf.data() + g * d, d);
@@ -288,6 +290,7 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
       sum += sg[i];
     }
     sums[g] = sum;
+    if (stats) stats[g] = mx, stats[group + g] = sum;
   }
   for (int64_t t = start; t < len; ++t) {
     load_row(v_cache + rows[t - start], row.data(), d);
@@ -299,7 +302,7 @@ void decode_one(T* out, const T* q, const T* k_cache, const T* v_cache, const in
   }
   for (int64_t g = 0; g < group; ++g) {
     const float inv = 1.f / sums[g];
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = from_f<T>(acc[g * d + i] * inv);
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = from_f<O>(acc[g * d + i] * inv);
   }
 }
 
@@ -507,8 +510,9 @@ void qk_scores_bf16(float* scores, int64_t padded, const c10::BFloat16* q, const
 #endif
 
 // Scores [group][padded] (n real, the rest padding) -> exp(score - max) in place (after the soft
-// cap, if any); inv_sum[g]: 1 / head g's sum.
-inline void softmax_avx512(float* scores, int64_t padded, int64_t n, int group, float soft_cap, float* inv_sum) {
+// cap, if any); inv_sum[g]: 1 / head g's sum; max_out (or null): each head's max.
+inline void softmax_avx512(float* scores, int64_t padded, int64_t n, int group, float soft_cap, float* inv_sum,
+                           float* max_out) {
   for (int g = 0; g < group; ++g) {
     float* sg = scores + g * padded;
     if (soft_cap > 0.f)
@@ -516,7 +520,9 @@ inline void softmax_avx512(float* scores, int64_t padded, int64_t n, int group, 
     for (int64_t i = n; i < padded; ++i) sg[i] = -INFINITY;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < padded; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + i));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    const float largest = _mm512_reduce_max_ps(mx);
+    if (max_out) max_out[g] = largest;
+    const __m512 m = _mm512_set1_ps(largest);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < padded; i += 16) {
       const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + i), m));
@@ -537,8 +543,8 @@ constexpr int value_slice_avx512() {
 }
 
 // out[g] = inv_sum[g] * sum_t p[g][t] V[t] for G heads over context tokens [start, len).
-template <typename T, int NV, int G>
-void weighted_values_avx512(T* out, const float* scores, int64_t padded, const float* inv_sum, const T* v_cache,
+template <typename T, int NV, int G, typename O>
+void weighted_values_avx512(O* out, const float* scores, int64_t padded, const float* inv_sum, const T* v_cache,
                             const int64_t* rows, int64_t start, int64_t len) {
   constexpr int64_t d = 16 * NV;
   constexpr int SV = value_slice_avx512<NV, G>();
@@ -569,7 +575,7 @@ void weighted_values_avx512(T* out, const float* scores, int64_t padded, const f
 #pragma GCC unroll 16
       for (int x = 0; x < SV; ++x) _mm512_store_ps(row + 16 * x, _mm512_mul_ps(acc[g][x], _mm512_set1_ps(inv_sum[g])));
       // from_f: c10's rounding of the fp32 result, as the portable path rounds it.
-      for (int i = 0; i < 16 * SV; ++i) out[g * d + 16 * c + i] = from_f<T>(row[i]);
+      for (int i = 0; i < 16 * SV; ++i) out[g * d + 16 * c + i] = from_f<O>(row[i]);
     }
   }
 }
@@ -595,8 +601,8 @@ constexpr int value_pair_slice() {
 // Against the fp32 form (prefetch_later's measurement): 64 x 450 tokens 30.9 -> 29.9 ms from
 // memory, 16 x 1,000 16.9 -> 14.6; with one layer's caches hot in L3 (30 calls) 13.7 -> 10.7 ms,
 // so the arithmetic shrank more than the time from memory shows.
-template <int NP, int G>
-void weighted_values_bf16(c10::BFloat16* out, const uint16_t* probs, int64_t padded, const float* inv_sum,
+template <int NP, int G, typename O>
+void weighted_values_bf16(O* out, const uint16_t* probs, int64_t padded, const float* inv_sum,
                           const c10::BFloat16* v_cache, const int64_t* rows, int64_t start, int64_t len) {
   constexpr int64_t d = 32 * NP;
   constexpr int SP = value_pair_slice<NP, G>();
@@ -651,16 +657,16 @@ void weighted_values_bf16(c10::BFloat16* out, const uint16_t* probs, int64_t pad
         _mm512_store_ps(row + 32 * x + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, dims_high, hi), inv));
       }
       // from_f: c10's rounding of the fp32 result, as the portable path rounds it.
-      for (int i = 0; i < 32 * SP; ++i) out[g * d + 32 * c + i] = from_f<c10::BFloat16>(row[i]);
+      for (int i = 0; i < 32 * SP; ++i) out[g * d + 32 * c + i] = from_f<O>(row[i]);
     }
   }
 }
 #endif
 
-template <typename T, int NV, int G>
-void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+template <typename T, int NV, int G, typename O>
+void decode_one_avx512(O* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
                        int64_t start, float scale, float soft_cap, std::vector<float>& scores,
-                       std::vector<uint16_t>& probs, const NextItemRows& next) {
+                       std::vector<uint16_t>& probs, const NextItemRows& next, float* stats) {
   constexpr int64_t d = 16 * NV;
   const int64_t n = len - start;
   const int64_t padded = (n + 15) / 16 * 16;
@@ -676,7 +682,9 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
     qk_scores_avx512<T, NV, G>(scores.data(), padded, qs, k_cache, v_cache, rows, start, len, next);
   }
   float inv_sum[G];
-  softmax_avx512(scores.data(), padded, n, G, soft_cap, inv_sum);
+  softmax_avx512(scores.data(), padded, n, G, soft_cap, inv_sum, stats);
+  if (stats)
+    for (int g = 0; g < G; ++g) stats[G + g] = 1.f / inv_sum[g];
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     probs.resize(G * padded);
@@ -692,13 +700,15 @@ void decode_one_avx512(T* out, const T* q, const T* k_cache, const T* v_cache, c
 
 // The G (query heads per KV head, 1-8) and head_dim (64, 128, 256) decode_one_avx512 is built
 // for; false: not one (the portable path takes it).
-template <typename T>
-bool decode_one_avx512_dispatch(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows,
+template <typename T, typename O>
+bool decode_one_avx512_dispatch(O* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows,
                                 int64_t len, int64_t start, int64_t group, int64_t d, float scale, float soft_cap,
-                                std::vector<float>& scores, std::vector<uint16_t>& probs, const NextItemRows& next) {
+                                std::vector<float>& scores, std::vector<uint16_t>& probs, const NextItemRows& next,
+                                float* stats) {
 #define TPSERVE_DECODE_AVX512(NV, G)                                                                                  \
   case G:                                                                                                           \
-    decode_one_avx512<T, NV, G>(out, q, k_cache, v_cache, rows, len, start, scale, soft_cap, scores, probs, next);   \
+    decode_one_avx512<T, NV, G>(out, q, k_cache, v_cache, rows, len, start, scale, soft_cap, scores, probs, next, \
+                                stats);                                                                         \
     return true;
 #define TPSERVE_DECODE_AVX512_GROUPS(NV) \
   switch (group) {                       \
@@ -741,9 +751,10 @@ bool decode_one_avx512_dispatch(T* out, const T* q, const T* k_cache, const T* v
 // neither prefetching 16-256 tokens ahead nor prefetching the V rows during the scores changed that
 // on the Zen 3; the V rows and the next item's K rows during the scores (prefetch_later) took the
 // same pass from 84.5 to 64.5 ms on a Zen 4.
-template <typename T, int NV, int G>
-void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
-                     int64_t start, float scale, float soft_cap, std::vector<float>& scores, const NextItemRows& next) {
+template <typename T, int NV, int G, typename O>
+void decode_one_avx2(O* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t len,
+                     int64_t start, float scale, float soft_cap, std::vector<float>& scores, const NextItemRows& next,
+                     float* stats) {
   static_assert(NV % 2 == 0, "head_dim must be a multiple of 16");
   constexpr int64_t d = 8 * NV;
   // bf16 rows need registers to widen: 2-vector slices for them (6 accumulators at most).
@@ -796,14 +807,17 @@ void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, con
     for (int64_t i = n; i < padded; ++i) sg[i] = -INFINITY;
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t i = 0; i < padded; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + i));
-    const __m256 m = _mm256_set1_ps(hmax8(mx));
+    const float largest = hmax8(mx);
+    const __m256 m = _mm256_set1_ps(largest);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t i = 0; i < padded; i += 8) {
       const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + i), m));
       _mm256_storeu_ps(sg + i, e);
       sum = _mm256_add_ps(sum, e);
     }
-    inv_sum[g] = 1.f / hsum8(sum);
+    const float total = hsum8(sum);
+    inv_sum[g] = 1.f / total;
+    if (stats) stats[g] = largest, stats[G + g] = total;
   }
   for (int c = 0; c < NV; c += SV) {
     __m256 acc[G][SV];
@@ -847,13 +861,13 @@ void decode_one_avx2(T* out, const T* q, const T* k_cache, const T* v_cache, con
 }
 
 // The G (query heads per KV head) and head_dim decode_one_avx2 is built for; false: not one.
-template <typename T>
-bool decode_one_avx2_dispatch(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows,
+template <typename T, typename O>
+bool decode_one_avx2_dispatch(O* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* rows,
                               int64_t len, int64_t start, int64_t group, int64_t d, float scale, float soft_cap,
-                              std::vector<float>& scores, const NextItemRows& next) {
+                              std::vector<float>& scores, const NextItemRows& next, float* stats) {
 #define TPSERVE_DECODE_AVX2(NV, G)                                                                       \
   case G:                                                                                              \
-    decode_one_avx2<T, NV, G>(out, q, k_cache, v_cache, rows, len, start, scale, soft_cap, scores, next);   \
+    decode_one_avx2<T, NV, G>(out, q, k_cache, v_cache, rows, len, start, scale, soft_cap, scores, next, stats); \
     return true;
 #define TPSERVE_DECODE_AVX2_GROUPS(NV) \
   switch (group) {                     \
@@ -875,6 +889,26 @@ bool decode_one_avx2_dispatch(T* out, const T* q, const T* k_cache, const T* v_c
   return false;
 }
 #endif  // TPSERVE_AVX2 && !__AVX512F__
+
+// Context tokens a part of a split context gets at least: shorter parts cost more in the merge
+// and in each part's fixed work than the balance wins.
+constexpr int64_t kMinSplitTokens = 256;
+
+// How many parts each (request, KV head) item's context is cut into (flash-decoding): 1 where the
+// step's items give every thread two or more; else the fewest parts that give every thread two
+// units or more and all threads an equal count, no part under kMinSplitTokens of the longest
+// context. Why: one request has one item per KV head (3 for the default model), so on 2 threads
+// one thread did two and the other one while it waited, and on 16 threads 13 waited. Measured on
+// the 2-core Zen 4 (30 cold layers, bf16, alternated in one process, medians of 11): one request
+// of 1,000 / 4,000 / 6,000 tokens 1.51 -> 1.40, 4.32 -> 3.97, 6.93 -> 6.23 ms; less than the 25%
+// the balance alone suggests, since the lone thread had had the memory to itself.
+int64_t decode_context_splits(int64_t items, int64_t longest, int64_t threads) {
+  if (threads <= 1 || items >= 2 * threads) return 1;
+  const int64_t most = std::max<int64_t>(1, longest / kMinSplitTokens);
+  int64_t splits = 1;
+  while (splits < most && (items * splits < 2 * threads || items * splits % threads != 0)) ++splits;
+  return splits;
+}
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
@@ -913,38 +947,98 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       auto first_token = [&](int64_t b) {
         return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : int64_t{0};
       };
-      at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      const int64_t items = num_reqs * kv_heads;
+      int64_t longest = 0;
+      for (int64_t b = 0; b < num_reqs; ++b) longest = std::max<int64_t>(longest, lens[b] - first_token(b));
+      const int64_t splits = decode_context_splits(items, longest, at::get_num_threads());
+      // Units of work: an item's context, or one of its `splits` parts, each [s0, s1).
+      auto unit_range = [&](int64_t unit, int64_t& s0, int64_t& s1) {
+        const int64_t b = unit / splits / kv_heads, start = first_token(b);
+        const int64_t part = (lens[b] - start + splits - 1) / splits;
+        s0 = std::min<int64_t>(lens[b], start + unit % splits * part);
+        s1 = std::min<int64_t>(lens[b], s0 + part);
+      };
+      // A part's result (split contexts only): its G x d outputs normalized by its own sum, then
+      // the G largest scores and the G sums (decode_one's stats), for the merge below.
+      const int64_t part_size = group * d + 2 * group;
+      const at::Tensor parts = splits > 1 ? at::empty({items * splits, part_size}, q.options().dtype(at::kFloat))
+                                          : at::Tensor();
+      const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+      at::parallel_for(0, items * splits, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores, qf(group * d), acc(group * d), row(d);
         std::vector<uint16_t> probs;
-        // This item's rows and the next one's (its K rows are asked for while this one's scores run).
+        // This unit's rows and the next one's (its K rows are asked for while this one's scores run).
         std::vector<int64_t> rows, next_rows;
-        auto item_rows = [&](std::vector<int64_t>& out_rows, int64_t item) {
-          const int64_t b = item / kv_heads;
-          context_rows(out_rows, tables + b * width, first_token(b), lens[b], block_size, cs, item % kv_heads);
+        auto unit_rows = [&](std::vector<int64_t>& out_rows, int64_t unit) {
+          const int64_t item = unit / splits, b = item / kv_heads;
+          int64_t s0, s1;
+          unit_range(unit, s0, s1);
+          context_rows(out_rows, tables + b * width, s0, s1, block_size, cs, item % kv_heads);
         };
-        if (begin < end) item_rows(next_rows, begin);
-        for (int64_t item = begin; item < end; ++item) {
-          const int64_t b = item / kv_heads, h = item % kv_heads;
-          const int64_t len = lens[b];
-          const int64_t start = first_token(b);
-          scalar_t* o = op + (b * heads + h * group) * d;
+        if (begin < end) unit_rows(next_rows, begin);
+        for (int64_t unit = begin; unit < end; ++unit) {
+          const int64_t item = unit / splits, b = item / kv_heads, h = item % kv_heads;
+          int64_t s0, s1;
+          unit_range(unit, s0, s1);
           const scalar_t* qb = qp + b * q.stride(0) + h * group * d;
           std::swap(rows, next_rows);
           NextItemRows next;
-          if (item + 1 < end) {
-            item_rows(next_rows, item + 1);
+          if (unit + 1 < end) {
+            unit_rows(next_rows, unit + 1);
             next = {next_rows.data(), static_cast<int64_t>(next_rows.size())};
           }
-          const float sc = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
+          // The best path this build has for the group and head_dim, writing o (scalar_t: the
+          // op's output; float: a part) and, for a part, its stats.
+          auto attend = [&](auto* o, float* stats) {
 #if defined(__AVX512F__)
-          if (decode_one_avx512_dispatch<scalar_t>(o, qb, kc, vc, rows.data(), len, start, group, d, sc, cap, scores,
-                                                   probs, next))
-            continue;
+            if (decode_one_avx512_dispatch<scalar_t>(o, qb, kc, vc, rows.data(), s1, s0, group, d, sc, cap, scores,
+                                                     probs, next, stats))
+              return;
 #elif defined(TPSERVE_AVX2)
-          if (decode_one_avx2_dispatch<scalar_t>(o, qb, kc, vc, rows.data(), len, start, group, d, sc, cap, scores, next))
-            continue;
+            if (decode_one_avx2_dispatch<scalar_t>(o, qb, kc, vc, rows.data(), s1, s0, group, d, sc, cap, scores,
+                                                   next, stats))
+              return;
 #endif
-          decode_one<scalar_t>(o, qb, kc, vc, rows.data(), len, start, group, d, sc, cap, scores, qf, acc, row);
+            decode_one<scalar_t>(o, qb, kc, vc, rows.data(), s1, s0, group, d, sc, cap, scores, qf, acc, row, stats);
+          };
+          if (splits == 1) {
+            attend(op + (b * heads + h * group) * d, nullptr);
+            continue;
+          }
+          float* part = parts.data_ptr<float>() + unit * part_size;
+          if (s0 == s1) {  // a context shorter than the others: this part is empty
+            std::fill(part + group * d, part + group * d + group, -INFINITY);
+            std::fill(part + group * d + group, part + part_size, 0.f);
+            continue;
+          }
+          attend(part, part + group * d);
+        }
+      });
+      if (splits == 1) return;
+      // Each head's parts, rescaled to the largest score among them: out = sum_j w_j o_j / sum_j w_j,
+      // w_j = sum_j exp(max_j - max). An item has one part at least that is not empty.
+      at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> w(splits), o(d);
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t b = item / kv_heads, h = item % kv_heads;
+          const float* first = parts.data_ptr<float>() + item * splits * part_size;
+          for (int64_t g = 0; g < group; ++g) {
+            float largest = -INFINITY;
+            for (int64_t j = 0; j < splits; ++j) largest = std::max(largest, first[j * part_size + group * d + g]);
+            float total = 0.f;
+            for (int64_t j = 0; j < splits; ++j) {
+              const float* stats = first + j * part_size + group * d;
+              w[j] = stats[group + g] == 0.f ? 0.f : stats[group + g] * std::exp(stats[g] - largest);
+              total += w[j];
+            }
+            std::fill(o.begin(), o.end(), 0.f);
+            for (int64_t j = 0; j < splits; ++j) {
+              if (w[j] == 0.f) continue;  // an empty part's outputs were never written
+              for (int64_t i = 0; i < d; ++i) o[i] += w[j] * first[j * part_size + g * d + i];
+            }
+            scalar_t* out_row = op + (b * heads + h * group + g) * d;
+            for (int64_t i = 0; i < d; ++i) out_row[i] = from_f<scalar_t>(o[i] / total);
+          }
         }
       });
     });
@@ -963,4 +1057,5 @@ TORCH_LIBRARY(tpserve_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int sliding_window, float soft_cap) -> ()",
         &paged_decode_attention);
+  m.def("decode_context_splits(int items, int longest, int threads) -> int", &decode_context_splits);
 }
