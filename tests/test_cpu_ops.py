@@ -170,21 +170,21 @@ def test_paged_decode_attention_matches_gather_and_sdpa(dtype, head_dim, heads, 
 
 def test_decode_context_splits_give_every_thread_an_equal_share_of_few_items():
     splits = ops().decode_context_splits
-    assert splits(3, 1000, 2) == 2  # one request, 3 KV heads, 2 threads: 6 parts, 3 a thread
-    assert splits(1, 2000, 2) == 4  # one KV head: 4 parts, 2 a thread
-    assert splits(4, 5000, 2) == 1  # two items a thread already
-    assert splits(3, 300, 2) == 1  # parts would be shorter than 256 tokens
-    assert splits(3, 1000, 1) == 1  # one thread: nothing to balance
-    assert splits(1, 600, 4) == 2  # as many as the context allows: 2 parts of 300
+    assert splits(3, 2100, 2) == 2  # one request, 3 KV heads, 2 threads: 6 parts, 3 a thread
+    assert splits(1, 5000, 2) == 4  # one KV head: 4 parts, 2 a thread
+    assert splits(4, 9000, 2) == 1  # two items a thread already
+    assert splits(3, 2000, 2) == 1  # parts would be shorter than 1,024 tokens
+    assert splits(3, 3000, 1) == 1  # one thread: nothing to balance
+    assert splits(1, 2100, 4) == 2  # as many as the context allows: 2 parts of 1,050
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 # (head_dim, heads, KV heads, context lengths): few enough items on 2 threads that the contexts are
-# split; [1200, 1]: the second request's one token leaves its other parts empty.
-@pytest.mark.parametrize("head_dim,heads,kv_heads,lens", [(64, 9, 3, [1000]), (128, 4, 1, [1200, 1]),
-                                                          (64, 8, 2, [900]), (256, 8, 1, [700]),
-                                                          (64, 14, 1, [1500, 300]), (32, 8, 1, [2000])])
-@pytest.mark.parametrize("window,soft_cap", [(None, None), (600, None), (None, 30.0)])
+# split; [2500, 1]: the second request's one token leaves its other parts empty.
+@pytest.mark.parametrize("head_dim,heads,kv_heads,lens", [(64, 9, 3, [2100]), (128, 4, 1, [2500, 1]),
+                                                          (64, 8, 2, [2100]), (256, 8, 1, [2100]),
+                                                          (64, 14, 1, [3000, 300]), (32, 8, 1, [4200])])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (2100, None), (None, 30.0)])
 def test_split_contexts_match_gather_and_sdpa(dtype, head_dim, heads, kv_heads, lens, window, soft_cap):
     """One or two requests with long contexts: on 2 threads the kernel cuts each context into parts
     (flash-decoding) and merges them by their largest scores and sums; the result is the

@@ -890,18 +890,20 @@ bool decode_one_avx2_dispatch(O* out, const T* q, const T* k_cache, const T* v_c
 }
 #endif  // TPSERVE_AVX2 && !__AVX512F__
 
-// Context tokens a part of a split context gets at least: shorter parts cost more in the merge
-// and in each part's fixed work than the balance wins.
-constexpr int64_t kMinSplitTokens = 256;
+// Context tokens a part of a split context gets at least. With parts of 256 tokens (Zen 4, one
+// request, alternated as below) 520 / 700 / 1,000-token contexts ran within the noise or up to
+// 20% slower (0.75 -> 0.91 ms at 520): each part's fixed work and the merge cost what the balance
+// won. From 2,048 tokens it wins.
+constexpr int64_t kMinSplitTokens = 1024;
 
 // How many parts each (request, KV head) item's context is cut into (flash-decoding): 1 where the
 // step's items give every thread two or more; else the fewest parts that give every thread two
 // units or more and all threads an equal count, no part under kMinSplitTokens of the longest
 // context. Why: one request has one item per KV head (3 for the default model), so on 2 threads
 // one thread did two and the other one while it waited, and on 16 threads 13 waited. Measured on
-// the 2-core Zen 4 (30 cold layers, bf16, alternated in one process, medians of 11): one request
-// of 1,000 / 4,000 / 6,000 tokens 1.51 -> 1.40, 4.32 -> 3.97, 6.93 -> 6.23 ms; less than the 25%
-// the balance alone suggests, since the lone thread had had the memory to itself.
+// the 2-core Zen 4 (30 cold layers, bf16, alternated in one process, medians of 11-15): one
+// request of 2,000 / 4,000 / 6,000 tokens 2.30 -> 2.21, 4.32 -> 3.97, 6.93 -> 6.23 ms; less than
+// the 25% the balance alone suggests, since the lone thread had had the memory to itself.
 int64_t decode_context_splits(int64_t items, int64_t longest, int64_t threads) {
   if (threads <= 1 || items >= 2 * threads) return 1;
   const int64_t most = std::max<int64_t>(1, longest / kMinSplitTokens);
@@ -1016,10 +1018,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       });
       if (splits == 1) return;
       // Each head's parts, rescaled to the largest score among them: out = sum_j w_j o_j / sum_j w_j,
-      // w_j = sum_j exp(max_j - max). An item has one part at least that is not empty.
-      at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      // w_j = sum_j exp(max_j - max). An item has one part at least that is not empty. On this
+      // thread: a few items' G x d sums cost less than a parallel region's fork and join.
+      {
         std::vector<float> w(splits), o(d);
-        for (int64_t item = begin; item < end; ++item) {
+        for (int64_t item = 0; item < items; ++item) {
           const int64_t b = item / kv_heads, h = item % kv_heads;
           const float* first = parts.data_ptr<float>() + item * splits * part_size;
           for (int64_t g = 0; g < group; ++g) {
@@ -1040,7 +1043,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
             for (int64_t i = 0; i < d; ++i) out_row[i] = from_f<scalar_t>(o[i] / total);
           }
         }
-      });
+      }
     });
   });
 }
