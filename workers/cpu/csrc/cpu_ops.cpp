@@ -902,8 +902,9 @@ constexpr int64_t kMinSplitTokens = 1024;
 // context. Why: one request has one item per KV head (3 for the default model), so on 2 threads
 // one thread did two and the other one while it waited, and on 16 threads 13 waited. Measured on
 // the 2-core Zen 4 (30 cold layers, bf16, alternated in one process, medians of 11-15): one
-// request of 2,000 / 4,000 / 6,000 tokens 2.30 -> 2.21, 4.32 -> 3.97, 6.93 -> 6.23 ms; less than
-// the 25% the balance alone suggests, since the lone thread had had the memory to itself.
+// request of 4,000 / 6,000 tokens 4.32 -> 3.97, 6.93 -> 6.23 ms in two parts (2,000 tokens: 2.30
+// -> 2.21, inside the noise); less than the 25% the balance alone suggests, since the lone thread
+// had had the memory to itself.
 int64_t decode_context_splits(int64_t items, int64_t longest, int64_t threads) {
   if (threads <= 1 || items >= 2 * threads) return 1;
   const int64_t most = std::max<int64_t>(1, longest / kMinSplitTokens);
