@@ -31,9 +31,10 @@ workload (`bench.offline.offline_compare`: tpserve's LLMEngine vs vLLM's LLM.gen
 At the 1-stream level each server's median TPOT stands beside the weight-read floor, measured right
 before that level and right after it, the ratio over their mean (bench.online.weight_read_floor:
 bytes of weights one decode token reads / the read bandwidth a torch sum measures on the servers'
-thread count); `single_stream_floor` collects them. Last, the TTFT curve (bench.online.ttft_curve, `--ttft-curve 1024,4096,6144`, '' to skip):
-one request at a time at each prompt length, on a start of each server whose max_model_len holds
-the longest prompt, so the levels' servers keep their settings.
+thread count); `single_stream_floor` collects them. Last, the TTFT curve (bench.online.ttft_curve,
+`--ttft-curve 1024,4096,6144`, '' to skip): one request at a time at each prompt length, on a
+start of each server whose max_model_len holds the longest prompt, so the levels' servers keep
+their settings.
 
 `--rounds N` (N > 1) is for machines whose speed drifts within minutes (a shared VM: the same
 vLLM gave 154 and 245 tok/s at 16 streams ten minutes apart), where one run of each server an

@@ -184,10 +184,11 @@ def floor_report(floor: WeightReadFloor, median_tpot_ms: float | None, after: We
     """What serve_compare prints beside a server's 1-stream level: its TPOT p50, the floor, their ratio.
 
     `floor` is measured right before the level, `after` (if given) right after it. A VM's read
-    bandwidth can move by half within minutes (a 2-core EPYC read 27 GB/s, then 63, within one
-    `make bench-serve`), so one measurement can be far from what the level ran at: the floor the
-    ratio uses is then the mean of the two, and both stay in the report (their spread says how far
-    the machine drifted while the level ran)."""
+    bandwidth can move by half within minutes (a 2-core EPYC Zen 4 read 49 GB/s before one
+    server's level and 33 before the next one's, in one `make bench-serve`), so one measurement
+    can be far from what the level ran at: the floor the ratio uses is then the mean of the two,
+    and both stay in the report (their spread says how far the machine drifted while the level
+    ran)."""
     floors = [floor] + ([after] if after is not None else [])
     floor_ms = round(sum(f.floor_ms for f in floors) / len(floors), 3)
     out = {"median_tpot_ms": median_tpot_ms, "floor_ms": floor_ms, "read_gbps": floor.read_gbps,
