@@ -6,13 +6,15 @@ that machine, never from the model under test.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
+import torch
 
 from deployments.config import ConfigError, TpserveConfig
 from scheduler.scheduler import MIN_PREFILL_CHUNK
-from scheduler.step_cost import StepCostModel, StepWork
+from scheduler.step_cost import StepCostModel, StepWork, nonnegative_least_squares
 from tests.scheduler_factories import FakeRunner, add_requests, make_request, make_scheduler
 
 # Seconds per unit of each feature on a made-up machine (a 2-core-CPU-like scale): a fixed cost,
@@ -62,6 +64,56 @@ def test_fit_follows_a_machine_that_slows_down():
     for _ in range(50):
         work = random_work(rng)
         assert model.predict(work) == pytest.approx(true_seconds(work, 2.0), rel=0.05, abs=4e-4)
+
+
+def closed_loop_steps(rng: random.Random, waves: int):
+    """The steps of a closed loop of 16 streams as a server runs them: a wave of prompt chunks
+    shared with a few decodes, then ~120 decode-only steps while every stream decodes."""
+    for _ in range(waves):
+        for decodes in range(2, 16, 2):
+            start, chunk = rng.randint(0, 400), rng.randint(250, 510)
+            yield StepWork(decodes, decodes * rng.randint(200, 500), chunk, true_pairs(start, chunk))
+        for step in range(rng.randint(100, 140)):
+            yield StepWork(16, 16 * (300 + step))
+
+
+def test_fit_keeps_prefill_costs_through_long_decode_only_runs():
+    rng = random.Random(3)
+    model = StepCostModel()
+    # ~12,700 steps, 10% timing noise: the recursive least squares this model replaced drifted to
+    # negative costs and predicted this mixed step 16% short after as many.
+    for work in closed_loop_steps(rng, waves=100):
+        model.observe(work, true_seconds(work) * (1 + rng.uniform(-0.1, 0.1)))
+    assert all(c >= 0 for c in model.coefficients)
+    mixed = StepWork(12, 3000, 300, true_pairs(200, 300))
+    assert model.predict(mixed) == pytest.approx(true_seconds(mixed), rel=0.05)
+    best = max(n for n in range(2049) if TRUTH[3] * n + TRUTH[4] * true_pairs(200, n) <= 0.05)
+    assert model.prefill_tokens_within(0.05, 200, 2048) == pytest.approx(best, rel=0.05)
+
+
+def brute_force_nonnegative_least_squares(rows: torch.Tensor, y: torch.Tensor) -> float:
+    """The least residual over c >= 0, by trying every set of free coefficients with torch's
+    least squares (an optimum is the unconstrained optimum of its positive coefficients)."""
+    best = float(y @ y)
+    for size in range(1, rows.shape[1] + 1):
+        for free in itertools.combinations(range(rows.shape[1]), size):
+            sub = torch.linalg.lstsq(rows[:, list(free)], y.unsqueeze(1)).solution.squeeze(1)
+            if (sub >= 0).all():
+                best = min(best, float(((rows[:, list(free)] @ sub - y) ** 2).sum()))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_nonnegative_least_squares_reaches_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    rows = torch.tensor([[rng.gauss(0, 1) for _ in range(5)] for _ in range(rng.randint(6, 30))], dtype=torch.float64)
+    if seed % 3 == 0:  # two features moving together, as prefill tokens and pairs can
+        rows[:, 4] = 2 * rows[:, 3] + 1e-6 * torch.randn(rows.shape[0], dtype=torch.float64)
+    y = torch.tensor([rng.gauss(0, 1) for _ in range(rows.shape[0])], dtype=torch.float64)
+    coef = nonnegative_least_squares((rows.T @ rows).tolist(), (rows.T @ y).tolist())
+    assert min(coef) >= 0
+    residual = float(((rows @ torch.tensor(coef, dtype=torch.float64) - y) ** 2).sum())
+    assert residual == pytest.approx(brute_force_nonnegative_least_squares(rows, y), rel=1e-9, abs=1e-9)
 
 
 def test_not_ready_until_it_has_seen_prefill_and_decode_steps():
