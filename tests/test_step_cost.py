@@ -196,6 +196,18 @@ def test_the_step_time_target_has_a_floor():
     assert true_seconds(work) == pytest.approx(0.25, rel=0.05)
 
 
+def test_decode_only_steps_leave_the_fit_unsolved():
+    scheduler, runner = decoding_scheduler(slowdown=2.0)
+    solves = []
+    original = scheduler.step_cost._solve
+    scheduler.step_cost._solve = lambda: solves.append(1) or original()
+    run_step(scheduler, runner)
+    assert not solves  # nothing but decodes queued: nothing to cut, so no prediction
+    add_requests(scheduler, make_request(3000, max_tokens=4))
+    run_step(scheduler, runner)
+    assert solves
+
+
 def test_without_decodes_a_prompt_gets_the_whole_token_budget():
     scheduler = make_scheduler(max_num_batched_tokens=2048, max_model_len=8192, block_size=16, num_blocks=1024,
                                max_decode_slowdown=2.0)
