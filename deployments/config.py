@@ -68,8 +68,8 @@ class TpserveConfig(BaseModel):
     # predicted by a cost model the scheduler learns from the steps it ran
     # (scheduler/step_cost.py), so a decode never waits behind a large prompt chunk (p99
     # inter-token latency). 0 = off (only the token budget above). Closed loops of 16 and 64
-    # streams on a 2-core EPYC: p99 ITL 300-312 -> 109-110 ms and 1,224-1,257 -> 338-370 ms at
-    # 0.96-1.0x the tok/s (docs/architecture.md#the-scheduler).
+    # streams on a 2-core EPYC: p99 ITL 300-324 -> 107-112 ms and 1,201-1,257 -> 338-370 ms at
+    # 0.95-0.99x and 0.96x the tok/s (docs/architecture.md#the-scheduler).
     max_decode_slowdown: float = Field(default=5.0, ge=0)
     # Floor of that step time target in ms, so that a few fast decodes do not cut prompts into
     # slivers (each step re-reads every weight): 100 ms, the TPOT service level of the goodput

@@ -24,10 +24,9 @@ version ran recursive least squares with one forgetting factor. Through those de
 the prefill directions got no data while their covariance grew by 1/0.98 a step; it lost positive
 definiteness (negative variances after a few thousand steps), the coefficients went to nonsense
 (a negative cost per context token) and the scheduler alternated 32-token slivers with 500-token
-stalls: p99 inter-token latency back at ~300 ms, or a quarter of the throughput (16 closed-loop
-streams on a 2-core EPYC, 2026-12-06).
-Normal equations only add positive semidefinite terms, and a kind of step that stops arriving
-keeps what its last steps said.
+stalls: p99 inter-token latency back at ~300 ms in one round, a quarter less throughput in another
+(16 closed-loop streams on a 2-core EPYC, 2026-12-06). Normal equations only add positive
+semidefinite terms, and a kind of step that stops arriving keeps what its last steps said.
 """
 
 from __future__ import annotations
