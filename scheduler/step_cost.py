@@ -82,8 +82,9 @@ class StepCostModel:
         self._gram = {kind: [[0.0] * n for _ in range(n)] for kind in (False, True)}
         self._moment = {kind: [0.0] * n for kind in (False, True)}
         self._weight = {kind: 0.0 for kind in (False, True)}  # sum of each kind's step weights
-        self._coef = [0.0] * n
-        self._stale = False  # observations arrived since _coef was solved
+        self._coef = [0.0] * n  # the fit, per unit of each scaled feature
+        self._per_unit = (0.0,) * n  # the fit in seconds per unit of each raw feature
+        self._stale = False  # observations arrived since the fit was solved
         self._prefill_steps = 0
         self._decode_steps = 0
 
@@ -95,7 +96,7 @@ class StepCostModel:
     def coefficients(self) -> tuple[float, ...]:
         """Seconds per unit of each feature (a, b, c, d, e of the module doc), all >= 0."""
         self._solve()
-        return tuple(c / scale for c, scale in zip(self._coef, _SCALES))
+        return self._per_unit
 
     def observe(self, work: StepWork, seconds: float) -> None:
         """Fold one step's measured forward time into the fit (solved when next needed)."""
@@ -128,6 +129,7 @@ class StepCostModel:
         gram = [[self._gram[False][i][j] + self._gram[True][i][j] for j in range(n)] for i in range(n)]
         moment = [self._moment[False][i] + self._moment[True][i] for i in range(n)]
         self._coef = nonnegative_least_squares(gram, moment)
+        self._per_unit = tuple(c / scale for c, scale in zip(self._coef, _SCALES))
         self._stale = False
 
     def prefill_seconds(self, start: int, num_tokens: int) -> float:
@@ -179,7 +181,7 @@ def nonnegative_least_squares(gram: list[list[float]], moment: list[float]) -> l
         free[max(rising, key=gradient.__getitem__)] = True
         while True:
             index = [i for i in range(n) if free[i]]
-            sub = _solve_symmetric([[gram[i][j] for j in index] for i in index], [moment[i] for i in index],
+            sub = _solve_with_ridge([[gram[i][j] for j in index] for i in index], [moment[i] for i in index],
                                    _RIDGE * scale)
             if all(value > 0 for value in sub):
                 coef = [0.0] * n
@@ -197,7 +199,7 @@ def nonnegative_least_squares(gram: list[list[float]], moment: list[float]) -> l
     return coef
 
 
-def _solve_symmetric(matrix: list[list[float]], rhs: list[float], ridge: float) -> list[float]:
+def _solve_with_ridge(matrix: list[list[float]], rhs: list[float], ridge: float) -> list[float]:
     """(matrix + ridge I) x = rhs by Gaussian elimination with partial pivoting (a few unknowns)."""
     n = len(rhs)
     rows = [[*(matrix[i][j] + (ridge if i == j else 0.0) for j in range(n)), rhs[i]] for i in range(n)]
