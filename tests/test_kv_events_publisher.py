@@ -247,6 +247,31 @@ def zmq_ctx():
     ctx.term()
 
 
+def wait_until_sent(ctx, publisher: KVEventPublisher, last_seq: int, timeout_s: float = 10.0) -> None:
+    """Return once the publisher's thread has sent batch `last_seq`, asked the way a subscriber
+    would (the replay socket holds every batch the thread has sent): `publish` only queues."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(publisher.replay_endpoint)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            dealer.send_multipart([b"", last_seq.to_bytes(8, "big")])
+            assert dealer.poll(5000), "no answer from the replay socket"
+            sent = False
+            while True:
+                _, seq_bytes, _ = dealer.recv_multipart()
+                if seq_bytes == END_OF_REPLAY:
+                    break
+                sent = sent or int.from_bytes(seq_bytes, "big") == last_seq
+            if sent:
+                return
+            assert time.monotonic() < deadline, f"batch {last_seq} never sent"
+            time.sleep(0.02)
+    finally:
+        dealer.close()
+
+
 def loopback_config(**overrides) -> dict:
     # A "*" port binds a free one (the publisher reports it), as a wildcard host does in vLLM.
     return {"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
@@ -348,6 +373,9 @@ def test_a_subscriber_that_misses_batches_catches_up_by_replay(zmq_ctx):
         keys = [bytes([n]) * 32 for n in range(6)]
         for n in range(3):  # before anyone listens (after the publisher's own batch 0)
             publisher.publish(KVEventBatch(float(n), [BlockStored([keys[n]], None, [n] * 4)]))
+        # Sent for real before the subscriber connects (a PUB drops them: nobody listens), so
+        # they can only reach it by replay, whatever the thread's timing on a loaded machine.
+        wait_until_sent(zmq_ctx, publisher, 3)
         subscriber = Subscriber(zmq_ctx, publisher, "kv@test")
         try:
             for n in range(3, 6):
