@@ -121,7 +121,7 @@ def test_the_step_timeout_applies_to_each_step_of_a_chain(tiny_model):
     try:
         counts.delay_s = 0.1  # 12 steps: ~1.2 s in one chain, each step well inside 0.5 s
         slow = asyncio.run(one_request("slow"))
-        counts.delay_s = 1.5  # one step hangs past the limit
+        counts.delay_s = 1.5  # the next request's first step hangs past the limit
         hung = asyncio.run(one_request("hung"))
         # The hung step still ends (the chain then stops): wait for the step thread to be free.
         engine._step_thread.submit(lambda: None).result(timeout=30)

@@ -8,9 +8,8 @@ queued, the step thread runs steps back to back (`_step_chain`) and hands each s
 the loop as it goes, instead of waiting for the loop to start the next step: on 2 cores that round
 trip (two thread wake-ups and the loop's turn, while the model's threads hold both cores) cost a
 served single stream ~0.8 ms a token (docs/performance.md, "Where a served token's time goes").
-Each request's outputs wait in a
-`RequestStream` that merges what its consumer has not read yet: a client slower than the engine
-gets one output per read, not a backlog of one per token.
+Each request's outputs wait in a `RequestStream` that merges what its consumer has not read yet:
+a client slower than the engine gets one output per read, not a backlog of one per token.
 """
 
 from __future__ import annotations
