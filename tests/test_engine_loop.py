@@ -111,7 +111,7 @@ def test_a_request_admitted_during_a_chain_joins_at_the_next_step(tiny_model):
 
 
 def test_the_step_timeout_applies_to_each_step_of_a_chain(tiny_model):
-    engine = make_engine(tiny_model, step_timeout_s=0.5)
+    engine = make_engine(tiny_model, step_timeout_s=1.0)
     counts = CountingSteps(engine)
 
     async def one_request(request_id: str) -> list:
@@ -119,9 +119,9 @@ def test_the_step_timeout_applies_to_each_step_of_a_chain(tiny_model):
         return await collect(stream)
 
     try:
-        counts.delay_s = 0.1  # 12 steps: ~1.2 s in one chain, each step well inside 0.5 s
+        counts.delay_s = 0.2  # 12 steps: ~2.4 s in one chain, each step well inside 1 s
         slow = asyncio.run(one_request("slow"))
-        counts.delay_s = 1.5  # the next request's first step hangs past the limit
+        counts.delay_s = 3.0  # the next request's first step hangs past the limit
         hung = asyncio.run(one_request("hung"))
         # The hung step still ends (the chain then stops): wait for the step thread to be free.
         engine._step_thread.submit(lambda: None).result(timeout=30)
@@ -129,5 +129,5 @@ def test_the_step_timeout_applies_to_each_step_of_a_chain(tiny_model):
         asyncio.run(engine.shutdown())
     assert slow[-1].finished and slow[-1].error is None
     assert sum(len(out.new_token_ids) for out in slow) == 12
-    assert hung[-1].finished and "step_timeout_s=0.5" in (hung[-1].error or "")
+    assert hung[-1].finished and "step_timeout_s=1.0" in (hung[-1].error or "")
     assert engine.dead_reason is not None
