@@ -63,9 +63,13 @@ class StepWork:
     # Query x key pairs of the prefill chunks' causal attention.
     prefill_attention_pairs: int = 0
 
+    def raw_features(self) -> tuple[float, ...]:
+        """The five features (a constant 1 first) in their own units."""
+        return (1.0, self.decode_rows, self.decode_context_tokens, self.prefill_tokens, self.prefill_attention_pairs)
+
     def features(self) -> tuple[float, ...]:
-        raw = (1.0, self.decode_rows, self.decode_context_tokens, self.prefill_tokens, self.prefill_attention_pairs)
-        return tuple(value / scale for value, scale in zip(raw, _SCALES))
+        """The same, scaled to similar magnitudes (the fit's conditioning)."""
+        return tuple(value / scale for value, scale in zip(self.raw_features(), _SCALES))
 
 
 def chunk_attention_pairs(start: int, num_tokens: int) -> int:
@@ -82,8 +86,7 @@ class StepCostModel:
         self._gram = {kind: [[0.0] * n for _ in range(n)] for kind in (False, True)}
         self._moment = {kind: [0.0] * n for kind in (False, True)}
         self._weight = {kind: 0.0 for kind in (False, True)}  # sum of each kind's step weights
-        self._coef = [0.0] * n  # the fit, per unit of each scaled feature
-        self._per_unit = (0.0,) * n  # the fit in seconds per unit of each raw feature
+        self._coef = (0.0,) * n  # the fit: seconds per unit of each raw feature
         self._stale = False  # observations arrived since the fit was solved
         self._prefill_steps = 0
         self._decode_steps = 0
@@ -96,7 +99,7 @@ class StepCostModel:
     def coefficients(self) -> tuple[float, ...]:
         """Seconds per unit of each feature (a, b, c, d, e of the module doc), all >= 0."""
         self._solve()
-        return self._per_unit
+        return self._coef
 
     def observe(self, work: StepWork, seconds: float) -> None:
         """Fold one step's measured forward time into the fit (solved when next needed)."""
@@ -128,8 +131,7 @@ class StepCostModel:
         n = len(_SCALES)
         gram = [[self._gram[False][i][j] + self._gram[True][i][j] for j in range(n)] for i in range(n)]
         moment = [self._moment[False][i] + self._moment[True][i] for i in range(n)]
-        self._coef = nonnegative_least_squares(gram, moment)
-        self._per_unit = tuple(c / scale for c, scale in zip(self._coef, _SCALES))
+        self._coef = tuple(c / scale for c, scale in zip(nonnegative_least_squares(gram, moment), _SCALES))
         self._stale = False
 
     def prefill_seconds(self, start: int, num_tokens: int) -> float:
@@ -139,8 +141,7 @@ class StepCostModel:
 
     def predict(self, work: StepWork) -> float:
         """Seconds the fit expects a step of `work` to take (meaningful once `ready`)."""
-        self._solve()
-        return sum(c * v for c, v in zip(self._coef, work.features()))
+        return sum(c * v for c, v in zip(self.coefficients, work.raw_features()))
 
     def prefill_tokens_within(self, seconds: float, start: int, limit: int) -> int:
         """The most tokens (<= limit) of a chunk after `start` cached tokens whose added cost fits

@@ -335,24 +335,17 @@ def test_replay_serves_buffered_batches_from_the_asked_sequence(zmq_ctx):
             publisher.publish(KVEventBatch(float(n), [BlockStored([bytes([n]) * 32], None, [n] * 4)]))
         decoder = msgspec.msgpack.Decoder(VllmKVEventBatch)
 
+        wait_until_sent(zmq_ctx, publisher, 4)
+
         def ask(start: int) -> list[tuple[int, float]]:
-            got = []
-            deadline = time.monotonic() + 10
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            assert dealer.poll(5000), "no answer from the replay socket"
+            frames = []
             while True:
-                dealer.send_multipart([b"", start.to_bytes(8, "big")])
-                assert dealer.poll(5000), "no answer from the replay socket"
-                frames = []
-                while True:
-                    empty, seq_bytes, payload = dealer.recv_multipart()
-                    if seq_bytes == END_OF_REPLAY:
-                        break
-                    frames.append((int.from_bytes(seq_bytes, "big"), decoder.decode(payload).ts))
-                # The thread may not have sent the last batches yet: ask again until they are in.
-                if frames and frames[-1][0] == 4 or time.monotonic() > deadline:
-                    got = frames
-                    break
-                time.sleep(0.05)
-            return got
+                _, seq_bytes, payload = dealer.recv_multipart()
+                if seq_bytes == END_OF_REPLAY:
+                    return frames
+                frames.append((int.from_bytes(seq_bytes, "big"), decoder.decode(payload).ts))
 
         assert ask(3) == [(3, 3.0), (4, 4.0)]
         # Only the last buffer_steps batches are kept: asking from 0 shows the loss (starts at 2).
