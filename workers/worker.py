@@ -83,6 +83,10 @@ class WorkerConfig:
     # CPU, one rank, with the kernels: the layer loop as one call into them for the models it
     # serves (workers/model/cpu_layer_stack.py).
     cpu_layer_stack: bool = True
+    # CPU kernels, one rank: greedy batches of up to 4 rows take their tokens from an int8 copy
+    # of the LM head and an exact pass over the few vocabulary rows it leaves
+    # (workers/model/greedy_lm_head.py).
+    cpu_greedy_lm_head: bool = True
 
 
 @dataclass
@@ -144,6 +148,8 @@ class WorkerCore:
             rows, layout = self._small_batch_rows(model)
             prepack_linears(model, small_batch_rows=rows, layout=layout)
         model.build_layer_stack()
+        if cfg.cpu_greedy_lm_head:
+            model.build_greedy_lm_head()
         self.model = model.eval()
         load_time = time.perf_counter() - start
         self.kv_spec = kv_spec_for(self.model_config, cfg.block_size, model.num_local_kv_heads, cfg.dtype)

@@ -58,6 +58,7 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
         cpu_small_batch_linear=config.cpu_small_batch_linear,
         cpu_prefill_attention=config.cpu_prefill_attention,
         cpu_layer_stack=config.cpu_layer_stack,
+        cpu_greedy_lm_head=config.cpu_greedy_lm_head,
         max_num_batched_tokens=config.max_num_batched_tokens,
         load_format=config.load_format,
         dummy_seed=config.dummy_seed,

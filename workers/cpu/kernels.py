@@ -1,6 +1,7 @@
 """tpserve's CPU kernels (csrc/: cpu_ops.cpp for norms, rotary, SiLU gate, KV write and decode
 attention; panel_linear.cpp, skinny_linear.cpp and amx_linear.cpp for projections;
-prefill_attention.cpp; layer_stack.cpp; row_max.cpp for the sampler's argmax; peak_probe.cpp, the
+prefill_attention.cpp; layer_stack.cpp; row_max.cpp for the sampler's argmax; int8_logits.cpp for
+the greedy LM head's first pass over an int8 copy of its weight; peak_probe.cpp, the
 peak FLOP rate of the build's instructions, for benchmarks), loaded as
 `torch.ops.tpserve_cpu.*`.
 
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(CSRC / name for name in ("cpu_ops.cpp", "prefill_attention.cpp", "skinny_linear.cpp",
                                          "panel_linear.cpp", "amx_linear.cpp", "layer_stack.cpp", "row_max.cpp",
-                                         "peak_probe.cpp"))
+                                         "int8_logits.cpp", "peak_probe.cpp"))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
 # Where `make install` and the image put the libraries (beside the package, git-ignored).
 PACKAGED_LIBRARY_DIR = Path(__file__).parent / "lib"

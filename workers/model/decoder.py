@@ -17,6 +17,7 @@ from torch import nn
 from workers.attention.paged import AttentionMetadata
 from workers.model.backend import TORCH, TorchBackend
 from workers.model.cpu_layer_stack import CpuLayerStack, unsupported_reason
+from workers.model.greedy_lm_head import GreedyLmHead
 from workers.model.layers import DecoderLayer, make_norm
 from workers.model.config import ModelConfig
 from workers.distributed.parallel_state import TPGroup
@@ -64,6 +65,9 @@ class DecoderForCausalLM(nn.Module):
                                      else float(torch.tensor(cfg.embedding_multiplier, dtype=dtype)))
         # The layer loop as one call into the CPU kernels (build_layer_stack); None: Python.
         self.layer_stack: CpuLayerStack | None = None
+        # Greedy tokens of small batches from an int8 copy of the LM head first
+        # (build_greedy_lm_head); None: every batch computes its full logits.
+        self.greedy_lm_head: GreedyLmHead | None = None
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -94,6 +98,18 @@ class DecoderForCausalLM(nn.Module):
             return False
         self.layer_stack = CpuLayerStack(self.layers, self.backend.name, self.tp.world_size)
         return True
+
+    def build_greedy_lm_head(self) -> bool:
+        """Keep an int8 copy of the LM head for greedy batches of a few rows (after prepacking: it
+        reads the head's panels). Not with a final logit soft cap, whose tanh could round two
+        logits to one. Returns whether it does."""
+        if self.backend.name != "cpu_kernels" or self.cfg.final_logit_softcap is not None:
+            return False
+        self.greedy_lm_head = GreedyLmHead.build(self.lm_head, self.cfg.vocab_size, self.tp.world_size)
+        if self.greedy_lm_head is not None:
+            logger.info("greedy LM head: an int8 copy (%.1f MB) answers greedy batches of up to %d rows first",
+                        self.greedy_lm_head.nbytes / 1e6, self.greedy_lm_head.max_rows)
+        return self.greedy_lm_head is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head.compute_logits(hidden)

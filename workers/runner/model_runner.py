@@ -27,7 +27,7 @@ from workers.runner.input_batch import CachedRequestState, RequestStates
 from workers.model.backend import TORCH, TorchBackend
 from workers.model.decoder import DecoderForCausalLM
 from workers.runner.prompt_logprobs import compute_prompt_logprobs, mark_scored, plan_prompt_logprobs
-from workers.sampling.sampler import sample
+from workers.sampling.sampler import argmax_is_enough, sample
 from workers.sampling.row import SamplingRow
 from scheduler.math_utils import cdiv
 
@@ -226,9 +226,6 @@ class ModelRunner:
         else:
             # non_blocking: no host sync before the tokens are read (one .tolist() in sample()).
             selected = hidden[torch.tensor(row_index).to(self.device, non_blocking=True)]
-        logits = self.model.compute_logits(selected)
-        if logits is None:
-            return None
         rows = []
         for req_id, _ in samplers:
             state = self.requests.states[req_id]
@@ -240,6 +237,17 @@ class ModelRunner:
                 generator=state.generator,
                 allowed_token_bitmask=bitmasks.get(req_id),
             ))
+        greedy_head = getattr(self.model, "greedy_lm_head", None)
+        if greedy_head is not None and len(rows) <= greedy_head.max_rows and argmax_is_enough(rows):
+            tokens = greedy_head.argmax(selected)
+            if tokens is not None:
+                result = ModelRunnerOutput()
+                for (req_id, _), token_id in zip(samplers, tokens):
+                    result.sampled_token_ids[req_id] = [token_id]
+                return result
+        logits = self.model.compute_logits(selected)
+        if logits is None:
+            return None
         sampled = sample(logits, rows, self.backend.row_max)
         result = ModelRunnerOutput()
         for n, ((req_id, _), token_id, lp) in enumerate(zip(samplers, sampled.token_ids, sampled.logprobs)):

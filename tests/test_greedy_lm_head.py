@@ -1,0 +1,229 @@
+"""The greedy LM head (workers/model/greedy_lm_head.py, workers/cpu/csrc/int8_logits.cpp): its int8
+estimates stay within the bound it assumes of float32 logits computed independently; its token
+is the full head's argmax (first index on ties) on random and adversarial rows (exact ties,
+near-ties below bf16's resolution, large and tiny hidden states), bf16 k-pair panels and float32
+panels, 1-2 rows; it declines what it cannot answer (more rows, non-finite hidden states, a wide
+candidate set); and an engine's greedy tokens are the same with it on and off, while requests
+that read more than the argmax (logprobs, penalties, sampling) never reach it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import make_engine, run_engine
+from kernel_requirements import requires_kernels
+from model_fixtures import make_tiny_llama
+from scheduler.sampling_params import SamplingParams
+from workers.cpu import kernels as cpu_ops
+from workers.model import greedy_lm_head as glh
+from workers.model.greedy_lm_head import GreedyLmHead, quantize_rows, unpack_panels
+
+pytestmark = requires_kernels
+
+PANELS = cpu_ops.load() and bool(cpu_ops.ops().panel_linear_available())
+PAIRS = PANELS and bool(cpu_ops.ops().panel_linear_bf16_available())
+needs_panels = pytest.mark.skipif(not PANELS, reason="panel_linear needs a kernel build with AVX2 + FMA")
+LAYOUTS = [pytest.param("pairs", marks=pytest.mark.skipif(not PAIRS, reason="k-pair panels need AVX512-BF16")),
+           pytest.param("panel-f32", marks=needs_panels)]
+
+
+def _pack(weight: torch.Tensor, layout: str) -> torch.Tensor:
+    return torch.ops.tpserve_cpu.panel_pack_weight(weight, layout == "pairs")
+
+
+def _head(n: int = 2048, k: int = 576, layout: str = "pairs", seed: int = 0) -> tuple[torch.Tensor, GreedyLmHead]:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if layout == "pairs" else torch.float32
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    return weight, GreedyLmHead(_pack(weight, layout), vocab_size=n)
+
+
+def _full_argmax(head: GreedyLmHead, hidden: torch.Tensor) -> list[int]:
+    """What the engine's full path picks: the head's kernel over every row, the first maximum."""
+    logits = torch.ops.tpserve_cpu.panel_linear(hidden, head.packed, None)[:, : head.vocab_size]
+    return logits.float().argmax(dim=1).tolist()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_panels_unpack_to_the_weight(layout):
+    weight, head = _head(n=64, k=96, layout=layout)
+    assert torch.equal(unpack_panels(head.packed), weight)
+
+
+def test_estimates_stay_within_their_bounds_of_float64_logits():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(3000, 576, generator=gen, dtype=torch.float64) * 0.05
+    weight[7] = 0.0  # an all-zero row: scale 0, estimate 0
+    weight[8, :5] = 3.0  # a few large weights: a coarse scale for that row
+    rows = quantize_rows(weight.float())
+    assert rows.q.dtype == torch.int8 and int(rows.q.abs().max()) == 127
+    for m in (1, 2):
+        for scale in (0.01, 1.0, 100.0):
+            x = torch.randn(m, 576, generator=gen, dtype=torch.float64) * scale
+            x[0, 3] = 40 * scale  # an outlier dimension, as hidden states have
+            estimate, bound = torch.ops.tpserve_cpu.int8_logit_estimates(x.float(), rows.q, rows.scales, 0.5)
+            truth = x.float().double() @ weight.float().double().T
+            assert bool(((estimate.double() - truth).abs() <= bound.double() * 1.0001 + 1e-6).all())
+            assert float(estimate[:, 7].abs().max()) == 0.0
+            # The bound is tight enough to be useful: well under the logits' spread.
+            assert float(bound.median()) < 0.2 * float(truth.std())
+
+
+def test_the_estimate_op_refuses_what_it_cannot_take():
+    rows = quantize_rows(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="1 <= M <= 2"):
+        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(3, 64), rows.q, rows.scales, 0.5)
+    with pytest.raises(RuntimeError, match="K = 64"):
+        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(1, 63), rows.q, rows.scales, 0.5)
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(1, 64), rows.q, rows.scales[:-1], 0.5)
+    with pytest.raises(RuntimeError, match="finite"):
+        torch.ops.tpserve_cpu.int8_logit_estimates(torch.full((1, 64), float("nan")), rows.q, rows.scales, 0.5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_tokens_equal_the_full_heads_on_random_rows(layout, rows):
+    """Every answer is the full head's; a random head's flat logits leave a few candidates, so it
+    answers nearly always (it may decline a row whose top logits crowd past its panel limit)."""
+    weight, head = _head(n=8192, layout=layout, seed=rows)
+    gen = torch.Generator().manual_seed(10 + rows)
+    answered = 0
+    for trial in range(40):
+        scale = (0.1, 1.0, 10.0, 100.0)[trial % 4]
+        hidden = (torch.randn(rows, 576, generator=gen) * scale).to(weight.dtype)
+        tokens = head.argmax(hidden)
+        if tokens is not None:
+            answered += 1
+            assert tokens == _full_argmax(head, hidden)
+    assert answered >= 36
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ties_and_near_ties_resolve_as_the_full_head(layout):
+    weight, _ = _head(layout=layout, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(1, 576, generator=gen).to(weight.dtype)
+    # Row 1500 the clear winner, row 900 an exact copy of it (a tie: the full head takes 900),
+    # rows 901-931 the winner with one weight nudged by a bf16 step (near-ties that may round to
+    # the same logit), row 1999 the winner scaled by 1 - 2^-9.
+    best = weight[1500].clone()
+    best += (hidden[0].float() * 0.02).to(weight.dtype)  # aligned with x: the largest logit
+    weight[1500] = best
+    weight[900] = best
+    for j in range(31):
+        nudged = best.clone()
+        nudged[j * 17] = torch.nextafter(nudged[j * 17].float(), torch.tensor(float("inf"))).to(weight.dtype) \
+            if weight.dtype == torch.float32 else (nudged[j * 17].float() * (1 + 2**-7)).to(weight.dtype)
+        weight[901 + j] = nudged
+    weight[1999] = (best.float() * (1 - 2**-9)).to(weight.dtype)
+    head = GreedyLmHead(_pack(weight, layout), vocab_size=weight.size(0))
+    for rows in (1, 2):
+        x = hidden.expand(rows, -1).contiguous()
+        assert head.argmax(x) == _full_argmax(head, x)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padding_rows_past_the_vocabulary_never_win(layout):
+    weight, _ = _head(n=4096, layout=layout, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(1, 576, generator=gen).to(weight.dtype)
+    weight[4090] = (hidden[0].float() * 0.1).to(weight.dtype)  # the largest logit, but padding
+    head = GreedyLmHead(_pack(weight, layout), vocab_size=4000)
+    logits = torch.ops.tpserve_cpu.panel_linear(hidden, head.packed, None)[:, :4000]
+    tokens = head.argmax(hidden)
+    assert tokens == logits.float().argmax(dim=1).tolist() and tokens[0] < 4000
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_it_declines_what_it_cannot_answer(layout, monkeypatch):
+    weight, head = _head(layout=layout)
+    x = torch.randn(3, 576).to(weight.dtype)
+    assert head.argmax(x) is None  # more rows than one pass takes
+    assert head.argmax(x[:0]) is None
+    bad = x[:1].clone()
+    bad[0, 3] = float("nan")
+    assert head.argmax(bad) is None
+    bad[0, 3] = float("inf")
+    assert head.argmax(bad) is None
+    # A candidate set past the limit: every row a candidate once the margin is huge.
+    monkeypatch.setattr(glh, "ROUNDING_MARGIN", 1e9)
+    assert head.argmax(x[:1]) is None
+
+
+def test_no_head_over_non_finite_weights():
+    weight = torch.randn(64, 32)
+    weight[3, 3] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        GreedyLmHead(torch.ops.tpserve_cpu.panel_pack_weight(weight, False), vocab_size=64)
+
+
+def _spy(engine) -> list[int]:
+    """Rows each greedy-head call answered (None: declined), recorded on the engine's model."""
+    head = engine.executor.worker.model.greedy_lm_head
+    assert head is not None
+    answered: list = []
+    original = head.argmax
+
+    def argmax(hidden):
+        tokens = original(hidden)
+        answered.append(None if tokens is None else len(tokens))
+        return tokens
+
+    head.argmax = argmax
+    return answered
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.skipif(not PAIRS, reason="needs AVX512-BF16")),
+                                   pytest.param("float32", marks=needs_panels)])
+def test_engine_tokens_are_the_same_with_it_on_and_off(tmp_path, dtype):
+    path = make_tiny_llama(tmp_path / "m", num_layers=2)
+    # Three requests, one shorter: 3 rows a step (the full head), then 2 (the greedy head).
+    prompts = {f"r{i}": ([5 + i, 17, 42 + 3 * i, 7, 99, 3 + i], SamplingParams(max_tokens=8 if i == 2 else 32,
+                                                                              temperature=0.0, ignore_eos=True))
+               for i in range(3)}
+    on = make_engine(path, dtype=dtype)
+    answered = _spy(on)
+    with_head = run_engine(on, prompts)
+    off = make_engine(path, dtype=dtype, cpu_greedy_lm_head=False)
+    assert off.executor.worker.model.greedy_lm_head is None
+    assert with_head == run_engine(off, prompts)
+    # It answered the 2-row decode steps, not only declined.
+    assert sum(1 for a in answered if a) >= 20
+
+
+@pytest.mark.skipif(not PAIRS, reason="needs AVX512-BF16")
+def test_requests_that_read_more_than_the_argmax_take_the_full_head(tmp_path):
+    path = make_tiny_llama(tmp_path / "m", num_layers=2)
+    engine = make_engine(path, dtype="bfloat16")
+    answered = _spy(engine)
+    prompt = [5, 17, 42, 7, 99, 3]
+    for params in (SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2),
+                   SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
+                   SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, min_tokens=8),
+                   SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True)):
+        run_engine(engine, {"r": (prompt, params)})
+    assert answered == []
+
+
+@needs_panels
+def test_default_models_greedy_tokens_through_it_equal_hf(tmp_path):
+    """SmolLM2, float32: one request alone (1 row a step), then two together (2 rows), every
+    decode step's token from the greedy head, against Hugging Face transformers' greedy tokens."""
+    from transformers import AutoTokenizer
+
+    from engine_helpers import PROMPTS, greedy, hf_greedy
+    from model_fixtures import default_model_path
+
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [tokenizer(p).input_ids for p in PROMPTS[:3]]
+    engine = make_engine(path)
+    answered = _spy(engine)
+    outputs = run_engine(engine, {"alone": (prompts[0], greedy(48))})
+    outputs.update(run_engine(engine, {"a": (prompts[1], greedy(48)), "b": (prompts[2], greedy(48))}))
+    assert outputs["alone"] == hf_greedy(path, prompts[0], 48)
+    assert outputs["a"] == hf_greedy(path, prompts[1], 48)
+    assert outputs["b"] == hf_greedy(path, prompts[2], 48)
+    assert answered.count(1) >= 40 and answered.count(2) >= 40

@@ -1,0 +1,130 @@
+"""Greedy tokens for a few rows without reading the whole LM head in bf16 (CPU kernels, one rank).
+
+Why: at one stream a decode step is a read of every weight, and the LM head is a fifth of them
+(56.6 MB of the default model's 269 MB in bf16). A greedy row with no logprobs and no logits
+processing reads only the argmax of its logits. So for batches of up to `MAX_ROWS` such rows:
+
+1. An int8 copy of the head (one scale per vocabulary row, half the bytes) gives every logit to
+   within a bound: |x . W[n] - estimate[n]| <= scale[n] * ||x||_1 * (1/2 + rounding slack)
+   (workers/cpu/csrc/int8_logits.cpp; x stays float32).
+2. The vocabulary rows whose upper bound reaches the best lower bound, less a margin for the
+   final rounding of the logits, are the only ones that can be the argmax. Their 16-row panels
+   are computed exactly by the LM head's own kernel (`panel_linear` on the same packed panels:
+   each output depends only on its row of weights and x, so the values are the full head's, bit
+   for bit), and the argmax over them, first index on ties, is the full head's argmax.
+
+On the default model's greedy replies the candidates were 4 rows at the median, 39 at p99 and 66
+at most of 327 tokens checked (the first pass bounds every logit within ~1 of its value). More
+rows, a non-finite hidden state or a wide candidate set fall back to the full head.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from workers.cpu import kernels
+
+logger = logging.getLogger(__name__)
+
+# Rows one pass takes (int8_logits.cpp's limit): past two, widening the int8 weights and their
+# FMAs cost as much as the full bf16 head (Zen 4, in an engine: 4 rows 1.07x its step time).
+MAX_ROWS = 2
+# Output features per panel of panel_linear's layouts.
+PANEL_ROWS = 16
+# Candidate panels past which the exact pass costs more than it saves (1/8 of the head).
+MAX_PANEL_SHARE = 8
+# The final logits are rounded to bf16 at most (8 significant bits): two values within 2^-7 of
+# the larger one's magnitude may round to the same logit, so candidates reach that far below.
+ROUNDING_MARGIN = 2.0**-6
+
+
+def unpack_panels(packed: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight back from panel_linear's panels: [N/16, K, 16], or k-pairs [N/16, K/2, 32]."""
+    if packed.size(2) == PANEL_ROWS:
+        return packed.permute(0, 2, 1).reshape(-1, packed.size(1))
+    groups, pairs = packed.size(0), packed.size(1)
+    return packed.view(groups, pairs, PANEL_ROWS, 2).permute(0, 2, 1, 3).reshape(groups * PANEL_ROWS, 2 * pairs)
+
+
+@dataclass(frozen=True)
+class Int8Rows:
+    """An int8 copy of a weight, one scale per row: W[n] ~ scales[n] * q[n]."""
+
+    q: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] float32: max |W[n]| / 127 (0 for an all-zero row)
+
+
+def quantize_rows(weight: torch.Tensor, chunk: int = 4096) -> Int8Rows:
+    """Each row rounded to int8 at its own scale, max |w| / 127."""
+    rows = weight.size(0)
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    for start in range(0, rows, chunk):
+        w = weight[start : start + chunk].float()
+        s = w.abs().amax(dim=1) / 127
+        scales[start : start + chunk] = s
+        q[start : start + chunk] = torch.round(w / torch.where(s > 0, s, 1).unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return Int8Rows(q, scales)
+
+
+class GreedyLmHead:
+    """The int8 copy of an LM head on panel_linear's panels, and the two-pass argmax."""
+
+    def __init__(self, packed: torch.Tensor, vocab_size: int) -> None:
+        weight = unpack_panels(packed)
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError("the LM head has non-finite weights")
+        # The head's panels as its kernel reads them; the exact pass gathers from them.
+        self.packed = packed
+        # Vocabulary rows past this are padding (not logits).
+        self.vocab_size = vocab_size
+        # The int8 copy of the vocabulary's rows (padding rows never become candidates, so they
+        # cannot set the best lower bound).
+        self.rows = quantize_rows(weight[:vocab_size])
+        # W's rounding to int8 (1/2 of a scale per element) plus float32 rounding of both sums
+        # (the estimate's and the exact kernel's), at most K * 2^-24 of the sum of |products|
+        # each, as a share of ||x||_1 * 127 * scale.
+        self.slack = 0.5 + 2 * weight.size(1) * 2.0**-24 * 127
+        # Candidate panels past which argmax() leaves the batch to the full head.
+        self.max_panels = max(1, packed.size(0) // MAX_PANEL_SHARE)
+        # The most rows argmax() answers.
+        self.max_rows = MAX_ROWS
+
+    @staticmethod
+    def build(lm_head: torch.nn.Module, vocab_size: int, world_size: int) -> GreedyLmHead | None:
+        """The greedy head for `lm_head`, or None where it cannot serve: tensor parallelism (the
+        logits are gathered across ranks), a head not on panel_linear's panels for every batch of
+        up to MAX_ROWS rows, or the kernels not loaded."""
+        packed = getattr(lm_head, "small_batch_weight", None)
+        if (world_size != 1 or packed is None or packed.dim() != 3 or lm_head.small_batch_rows < MAX_ROWS
+                or kernels.loaded_variant() is None):
+            return None
+        try:
+            return GreedyLmHead(packed, vocab_size)
+        except ValueError as exc:
+            logger.info("greedy LM head off: %s", exc)
+            return None
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.q.numel() + self.rows.scales.numel() * 4
+
+    def argmax(self, hidden: torch.Tensor) -> list[int] | None:
+        """The full head's greedy token of each row of `hidden` ([M, K], the model's dtype), or
+        None where this pass does not answer (the caller runs the full head)."""
+        rows = hidden.size(0)
+        if rows == 0 or rows > MAX_ROWS:
+            return None
+        # A non-finite hidden state makes a non-finite bound: no panels, the full head decides.
+        panels = torch.ops.tpserve_cpu.int8_argmax_panels(hidden, self.rows.q, self.rows.scales, self.slack,
+                                                         ROUNDING_MARGIN, self.max_panels)
+        if panels.numel() == 0:
+            return None
+        exact = torch.ops.tpserve_cpu.panel_linear(hidden, self.packed.index_select(0, panels), None).float()
+        columns = (panels.unsqueeze(1) * PANEL_ROWS + torch.arange(PANEL_ROWS)).flatten()
+        exact[:, columns >= self.vocab_size] = float("-inf")
+        best = exact.argmax(dim=1)
+        return columns[best].tolist()
