@@ -83,7 +83,7 @@ class WorkerConfig:
     # CPU, one rank, with the kernels: the layer loop as one call into them for the models it
     # serves (workers/model/cpu_layer_stack.py).
     cpu_layer_stack: bool = True
-    # CPU kernels, one rank: greedy batches of up to 4 rows take their tokens from an int8 copy
+    # CPU kernels, one rank: greedy batches of 1-2 rows take their tokens from an int8 copy
     # of the LM head and an exact pass over the few vocabulary rows it leaves
     # (workers/model/greedy_lm_head.py).
     cpu_greedy_lm_head: bool = True
