@@ -13,7 +13,8 @@
 //       -> candidate panel ids, ascending (empty: more than `limit`, or a non-finite x)
 //
 // Each int8 weight is widened to float32 exactly and multiplied by x in float32 (FMAs, four
-// chains per row of x: one chain ran at the FMA's latency), one scale per row at the end. Bound:
+// chains per row of x, so that the FMA's latency does not set the pace), one scale per row at the
+// end. Bound:
 // |x . W[n] - estimate[n]| <= scales[n] * slack * ||x||_1, slack = 1/2 for W's rounding to int8
 // plus the float32 rounding of this sum and of the exact kernel's (the caller's). x stays float:
 // rounding it to int8 as well, for AVX512-VNNI's integer dot products, made the bound useless on
