@@ -81,6 +81,8 @@ class GreedyLmHead:
         self.packed = packed
         # Vocabulary rows past this are padding (not logits).
         self.vocab_size = vocab_size
+        # Whether the panels hold padding rows (then argmax masks them; the default model's do not).
+        self.padded = packed.size(0) * PANEL_ROWS > vocab_size
         # The int8 copy of the vocabulary's rows (padding rows never become candidates, so they
         # cannot set the best lower bound).
         self.rows = quantize_rows(weight[:vocab_size])
@@ -125,6 +127,7 @@ class GreedyLmHead:
             return None
         exact = torch.ops.tpserve_cpu.panel_linear(hidden, self.packed.index_select(0, panels), None).float()
         columns = (panels.unsqueeze(1) * PANEL_ROWS + torch.arange(PANEL_ROWS)).flatten()
-        exact[:, columns >= self.vocab_size] = float("-inf")
+        if self.padded:
+            exact[:, columns >= self.vocab_size] = float("-inf")
         best = exact.argmax(dim=1)
         return columns[best].tolist()

@@ -84,7 +84,7 @@ inline void dot_row(const Pass& p, const int8_t* qn, float* out) {
   auto widen = [](const int8_t* ptr) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ptr))));
   };
-  auto load = [](const float* ptr) { return _mm512_loadu_ps(ptr); };
+  auto load = [](const float* ptr) { return load16(ptr); };
   auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
   auto add = [](V a, V b) { return _mm512_add_ps(a, b); };
   auto sum = [](V a) { return _mm512_reduce_add_ps(a); };
@@ -95,14 +95,10 @@ inline void dot_row(const Pass& p, const int8_t* qn, float* out) {
   auto widen = [](const int8_t* ptr) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ptr))));
   };
-  auto load = [](const float* ptr) { return _mm256_loadu_ps(ptr); };
+  auto load = [](const float* ptr) { return load8(ptr); };
   auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
   auto add = [](V a, V b) { return _mm256_add_ps(a, b); };
-  auto sum = [](V a) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
-  };
+  auto sum = [](V a) { return hsum8(a); };
 #endif
   V a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
   V b0 = zero(), b1 = zero(), b2 = zero(), b3 = zero();
