@@ -1,7 +1,8 @@
 """The panel projection kernel (workers/cpu/csrc/panel_linear.cpp): F.linear's numbers at every row
 count its register tiles split into (AVX2: 1-6 rows and every remainder past a tile of 6; AVX-512:
 1-12 and every remainder past a tile of 12), odd K, an odd number of panels (AVX-512 takes them two
-at a time), strided rows and biases; bf16 panels (AVX512-BF16 builds) against a float32 sum rounded
+at a time), prefill-sized batches whose threads claim their work from a counter (700 rows), strided
+rows and biases; bf16 panels (AVX512-BF16 builds) against a float32 sum rounded
 once; bf16 k-pair panels (vdpbf16ps) likewise; the panel packing; refusals; linear() routing;
 prepack_linears' panel copies; the calibration against oneDNN at load and of the two bf16 forms;
 an engine's tokens with the kernel on and off, float32, bf16 panels and bf16 pairs."""
@@ -33,7 +34,7 @@ def _panel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return torch.ops.tpserve_cpu.panel_linear(x, torch.ops.tpserve_cpu.panel_pack_weight(w), b)
 
 
-@pytest.mark.parametrize("rows", [*range(1, 26), 48, 64, 301])
+@pytest.mark.parametrize("rows", [*range(1, 26), 48, 64, 301, 700])
 @pytest.mark.parametrize("k, n", [(576, 960), (40, 96), (37, 32), (1536, 16), (64, 80)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_linear_equals_f_linear(rows, k, n, bias):
@@ -47,7 +48,7 @@ def test_panel_linear_equals_f_linear(rows, k, n, bias):
 
 
 @needs_bf16_panels
-@pytest.mark.parametrize("rows", [*range(1, 26), 64, 301])
+@pytest.mark.parametrize("rows", [*range(1, 26), 64, 301, 700])
 @pytest.mark.parametrize("k, n", [(576, 960), (37, 32), (1536, 16), (64, 80)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_panels_give_the_float32_sum_rounded_once(rows, k, n, bias):
@@ -64,7 +65,7 @@ def test_bf16_panels_give_the_float32_sum_rounded_once(rows, k, n, bias):
 
 
 @needs_bf16_panels
-@pytest.mark.parametrize("rows", [*range(1, 26), 64, 301])
+@pytest.mark.parametrize("rows", [*range(1, 26), 64, 301, 700])
 @pytest.mark.parametrize("k, n", [(576, 960), (2, 32), (1536, 16), (64, 80)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_pair_panels_give_the_float32_sum_rounded_once(rows, k, n, bias):
