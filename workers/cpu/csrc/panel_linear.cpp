@@ -64,7 +64,6 @@ constexpr int64_t kPanel = 16;
 // chunk streaming from memory once per panel. Measured 2-6% faster than no blocking at 256-2048
 // rows (96: about the same, 384: slower at 1024-2048).
 constexpr int64_t kRowBlock = 192;
-#endif
 // Batches of at least kClaimRows rows (prefill chunks) are cut into units of (row block, chunk
 // of panels), about kClaimsPerThread per thread per row block, that the threads take from a
 // shared counter instead of half the panels each. Why: a served replica shares its cores with
@@ -76,6 +75,7 @@ constexpr int64_t kRowBlock = 192;
 // neighbour and cost 1.5% alone, at 256 rows 2.2% alone: decode batches keep their halves.
 constexpr int64_t kClaimRows = 512;
 constexpr int64_t kClaimsPerThread = 8;
+#endif
 
 #if defined(TPSERVE_PANEL_AVX2) && !defined(TPSERVE_PANEL_AVX512)
 // Rows per register tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast = 15 of 16 ymm.
