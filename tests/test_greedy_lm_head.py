@@ -57,7 +57,7 @@ def test_estimates_stay_within_their_bounds_of_float64_logits():
     weight = torch.randn(3000, 576, generator=gen, dtype=torch.float64) * 0.05
     weight[7] = 0.0  # an all-zero row: scale 0, estimate 0
     weight[8, :5] = 3.0  # a few large weights: a coarse scale for that row
-    rows = quantize_rows(weight.float())
+    rows = quantize_rows(weight.float())  # 3,000 rows: the last group of 64 holds 56 and padding
     assert rows.q.dtype == torch.int8 and int(rows.q.abs().max()) == 127
     for m in (1, 2):
         for scale in (0.01, 1.0, 100.0):
@@ -71,14 +71,25 @@ def test_estimates_stay_within_their_bounds_of_float64_logits():
             assert float(bound.median()) < 0.2 * float(truth.std())
 
 
+def test_int8_rows_are_each_row_rounded_at_its_scale_in_groups_of_64():
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(130, 48, generator=gen)
+    rows = quantize_rows(weight)
+    assert rows.q.shape == (3, 48, 64) and rows.scales.shape == (130,)
+    expected = torch.round(weight / (weight.abs().amax(dim=1, keepdim=True) / 127)).to(torch.int8)
+    assert torch.equal(rows.row_major(), expected)
+    assert int(rows.q[2, :, 2:].abs().max()) == 0  # rows 130-191 pad the last group with zeros
+    assert torch.equal(rows.q[1, :, 5], expected[69])
+
+
 def test_the_estimate_op_refuses_what_it_cannot_take():
-    rows = quantize_rows(torch.randn(32, 64))
+    rows = quantize_rows(torch.randn(70, 64))
     with pytest.raises(RuntimeError, match="1 <= M <= 2"):
         torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(3, 64), rows.q, rows.scales, 0.5)
     with pytest.raises(RuntimeError, match="K = 64"):
         torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(1, 63), rows.q, rows.scales, 0.5)
     with pytest.raises(RuntimeError, match="scales"):
-        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(1, 64), rows.q, rows.scales[:-1], 0.5)
+        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(1, 64), rows.q, rows.scales[:64], 0.5)
     with pytest.raises(RuntimeError, match="finite"):
         torch.ops.tpserve_cpu.int8_logit_estimates(torch.full((1, 64), float("nan")), rows.q, rows.scales, 0.5)
 

@@ -49,24 +49,36 @@ def unpack_panels(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(groups, pairs, PANEL_ROWS, 2).permute(0, 2, 1, 3).reshape(groups * PANEL_ROWS, 2 * pairs)
 
 
+# Weight rows per group of the int8 copy (int8_logits.cpp's layout: one step of its pass reads
+# the 64 rows' weights of one column, a cache line).
+GROUP_ROWS = 64
+
+
 @dataclass(frozen=True)
 class Int8Rows:
-    """An int8 copy of a weight, one scale per row: W[n] ~ scales[n] * q[n]."""
+    """An int8 copy of a weight, one scale per row: W[n] ~ scales[n] * q[n // 64, :, n % 64]."""
 
-    q: torch.Tensor  # [N, K] int8
+    q: torch.Tensor  # [ceil(N / 64), K, 64] int8; rows past N are zero
     scales: torch.Tensor  # [N] float32: max |W[n]| / 127 (0 for an all-zero row)
+
+    def row_major(self) -> torch.Tensor:
+        """The int8 rows as [N, K]."""
+        return self.q.permute(0, 2, 1).reshape(-1, self.q.size(1))[: self.scales.numel()]
 
 
 def quantize_rows(weight: torch.Tensor, chunk: int = 4096) -> Int8Rows:
-    """Each row rounded to int8 at its own scale, max |w| / 127."""
-    rows = weight.size(0)
-    q = torch.empty(weight.shape, dtype=torch.int8)
+    """Each row rounded to int8 at its own scale, max |w| / 127, laid out in groups of 64 rows."""
+    rows, features = weight.shape
+    groups = -(-rows // GROUP_ROWS)
+    flat = torch.zeros(groups * GROUP_ROWS, features, dtype=torch.int8)
     scales = torch.empty(rows, dtype=torch.float32)
     for start in range(0, rows, chunk):
-        w = weight[start : start + chunk].float()
+        end = min(rows, start + chunk)
+        w = weight[start:end].float()
         s = w.abs().amax(dim=1) / 127
-        scales[start : start + chunk] = s
-        q[start : start + chunk] = torch.round(w / torch.where(s > 0, s, 1).unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+        scales[start:end] = s
+        flat[start:end] = torch.round(w / torch.where(s > 0, s, 1).unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    q = flat.view(groups, GROUP_ROWS, features).permute(0, 2, 1).contiguous()
     return Int8Rows(q, scales)
 
 
@@ -81,8 +93,6 @@ class GreedyLmHead:
         self.packed = packed
         # Vocabulary rows past this are padding (not logits).
         self.vocab_size = vocab_size
-        # Whether the panels hold padding rows (then argmax masks them; the default model's do not).
-        self.padded = packed.size(0) * PANEL_ROWS > vocab_size
         # The int8 copy of the vocabulary's rows (padding rows never become candidates, so they
         # cannot set the best lower bound).
         self.rows = quantize_rows(weight[:vocab_size])
@@ -121,13 +131,7 @@ class GreedyLmHead:
         if rows == 0 or rows > MAX_ROWS:
             return None
         # A non-finite hidden state makes a non-finite bound: no panels, the full head decides.
-        panels = torch.ops.tpserve_cpu.int8_argmax_panels(hidden, self.rows.q, self.rows.scales, self.slack,
-                                                         ROUNDING_MARGIN, self.max_panels)
-        if panels.numel() == 0:
-            return None
-        exact = torch.ops.tpserve_cpu.panel_linear(hidden, self.packed.index_select(0, panels), None).float()
-        columns = (panels.unsqueeze(1) * PANEL_ROWS + torch.arange(PANEL_ROWS)).flatten()
-        if self.padded:
-            exact[:, columns >= self.vocab_size] = float("-inf")
-        best = exact.argmax(dim=1)
-        return columns[best].tolist()
+        # One op: the int8 pass, then the candidate panels exactly by the head's kernel.
+        tokens = torch.ops.tpserve_cpu.int8_greedy_tokens(hidden, self.rows.q, self.rows.scales, self.packed,
+                                                          self.slack, ROUNDING_MARGIN, self.max_panels)
+        return tokens.tolist() if tokens.numel() else None

@@ -6,15 +6,16 @@
 // the LM head, and a greedy request reads only the argmax of its logits. This pass reads the
 // int8 copy (half the bytes); only the panels with a row whose upper bound reaches the best
 // lower bound (less a margin for the logits' own rounding) are then computed exactly, by the
-// head's own kernel.
+// head's own kernel, called from here: one op a step (the exact pass in Python's small ops
+// added ~0.25 ms a token to the int8 pass; Zen 4, 2026-12-06).
 //
 //   int8_logit_estimates(x, q, scales, slack) -> (estimates, bounds), both [M, N]
-//   int8_argmax_panels(x, q, scales, slack, margin, limit)
-//       -> candidate panel ids, ascending (empty: more than `limit`, or a non-finite x)
+//   int8_greedy_tokens(x, q, scales, packed, slack, margin, limit)
+//       -> each row's greedy token over the full head's panels `packed` (empty: more than
+//          `limit` candidate panels, or a non-finite x; the caller runs the full head)
 //
-// Each int8 weight is widened to float32 exactly and multiplied by x in float32 (FMAs, four
-// chains per row of x, so that the FMA's latency does not set the pace), one scale per row at the
-// end. Bound:
+// Each int8 weight is widened to float32 exactly and multiplied by x in float32 (FMAs), one scale
+// per row at the end. Bound:
 // |x . W[n] - estimate[n]| <= scales[n] * slack * ||x||_1, slack = 1/2 for W's rounding to int8
 // plus the float32 rounding of this sum and of the exact kernel's (the caller's). x stays float:
 // rounding it to int8 as well, for AVX512-VNNI's integer dot products, made the bound useless on
@@ -22,10 +23,20 @@
 // bound by memory (Zen 4, 2026-12-06: the default model's head from memory in 1.29 ms with
 // vpdpbusd against 1.23 with FMAs).
 //
-// Weight rows in parallel (at::parallel_for). Each thread's rows are one sequential stream, which
-// the hardware prefetcher follows: software prefetches 6-64 rows ahead made the pass 10-16%
-// slower (Zen 4: 1.01 ms from memory for the default model's head without them, against 1.82 ms
-// for the full bf16 head).
+// The int8 copy is laid out in groups of 64 rows, [ceil(N / 64), K, 64] (zero rows pad the last
+// group): each step of k widens one 64-byte line into 64 outputs' products with the broadcast
+// x[k], so a line costs 4 widenings and 4 FMAs and no output needs a horizontal sum. With the
+// copy row by row ([N, K], a dot product per row, four chains and a reduction each) the pass
+// was bound by its instructions, not memory: on the Zen 4 (2026-12-06, 2 threads, 28 MB from
+// memory) 1.19 ms against 0.95 for the groups and 0.94-0.97 for a plain read of the same bytes.
+//
+// Groups in parallel (at::parallel_for). Each thread's groups are one sequential stream, which
+// the hardware prefetcher follows: software prefetches 6-64 rows ahead made the row-by-row pass
+// 10-16% slower.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
 
 #include "vec.h"
 
@@ -39,25 +50,30 @@ using namespace tpserve;
 constexpr int64_t kMaxRows = 2;
 // Output features per panel of panel_linear's layouts.
 constexpr int64_t kPanelRows = 16;
+// Weight rows per group of the int8 copy, [ceil(N / 64), K, 64]: one step of k reads one 64-byte
+// line of a group, the 64 rows' weights of that column.
+constexpr int64_t kGroupRows = 64;
 
 // One pass's inputs, checked.
 struct Pass {
   at::Tensor x;                // float32 [M, K], contiguous
-  int64_t M = 0, N = 0, K = 0;
+  int64_t M = 0, N = 0, K = 0;  // rows of x, vocabulary rows (scales), features
   float c[kMaxRows] = {0, 0};  // each row of x's bound per unit of scales[n]: slack * ||x[m]||_1
   bool finite = true;          // x has no NaN or infinity
 };
 
 Pass prepare(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales, double slack) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "int8 logits: q [N, K] int8");
-  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == q.size(0),
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
               "int8 logits: scales [N] float32");
+  const int64_t N = scales.size(0), groups = (N + kGroupRows - 1) / kGroupRows;
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(0) == groups &&
+                  q.size(2) == kGroupRows,
+              "int8 logits: q [ceil(N / ", kGroupRows, "), K, ", kGroupRows, "] int8 for the N rows of scales");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == q.size(1) && x_in.size(0) >= 1 && x_in.size(0) <= kMaxRows,
               "int8 logits: x [M, K] with 1 <= M <= ", kMaxRows, " and K = ", q.size(1));
   Pass p;
   p.x = x_in.to(at::kFloat).contiguous();
-  p.M = p.x.size(0), p.N = q.size(0), p.K = q.size(1);
+  p.M = p.x.size(0), p.N = N, p.K = q.size(1);
   const float* xp = p.x.data_ptr<float>();
   for (int64_t m = 0; m < p.M; ++m) {
     double l1 = 0.0;
@@ -68,82 +84,87 @@ Pass prepare(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scal
   return p;
 }
 
-// x . q[n] in float32 for the M rows of x: out[m]. Four accumulators per row of x, each taking
-// every fourth vector of weights; named, not an array, which GCC keeps in registers.
+// x . q[n] in float32 for the 64 rows n of one group and the M rows of x: out[m * 64 + j]. Each
+// step of k widens the group's 64 weights of column k (one cache line) and adds them times the
+// broadcast x[m][k] to 64 accumulators per row of x: no horizontal sums, and every output adds its
+// products in k order (the bound holds for any order).
 template <int M>
-inline void dot_row(const Pass& p, const int8_t* qn, float* out) {
+inline void dot_group(const Pass& p, const int8_t* qg, float* out) {
   const int64_t K = p.K;
   const float* x = p.x.data_ptr<float>();
-  float total[2] = {0.f, 0.f};
-  int64_t k = 0;
-#if defined(__AVX512F__) || defined(TPSERVE_AVX2)
 #if defined(__AVX512F__)
-  using V = __m512;
-  constexpr int64_t W = 16;
-  auto zero = [] { return _mm512_setzero_ps(); };
   auto widen = [](const int8_t* ptr) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ptr))));
   };
-  auto load = [](const float* ptr) { return load16(ptr); };
-  auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
-  auto add = [](V a, V b) { return _mm512_add_ps(a, b); };
-  auto sum = [](V a) { return _mm512_reduce_add_ps(a); };
-#else
-  using V = __m256;
-  constexpr int64_t W = 8;
-  auto zero = [] { return _mm256_setzero_ps(); };
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* col = qg + k * kGroupRows;
+    const __m512 w0 = widen(col), w1 = widen(col + 16), w2 = widen(col + 32), w3 = widen(col + 48);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+      acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(w2, xb, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(w3, xb, acc[m][3]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + m * kGroupRows + 16 * i, acc[m][i]);
+#elif defined(TPSERVE_AVX2)
+  // Sixteen 8-lane registers would hold a whole group for two rows of x and leave none for the
+  // weights: two passes of 32 rows each; the second reads the group's lines from L2.
   auto widen = [](const int8_t* ptr) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ptr))));
   };
-  auto load = [](const float* ptr) { return load8(ptr); };
-  auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
-  auto add = [](V a, V b) { return _mm256_add_ps(a, b); };
-  auto sum = [](V a) { return hsum8(a); };
-#endif
-  V a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
-  V b0 = zero(), b1 = zero(), b2 = zero(), b3 = zero();
-  const float* x1 = x + (M > 1 ? K : 0);
-  for (; k + 4 * W <= K; k += 4 * W) {
-    const V w0 = widen(qn + k), w1 = widen(qn + k + W), w2 = widen(qn + k + 2 * W), w3 = widen(qn + k + 3 * W);
-    a0 = fma(w0, load(x + k), a0);
-    a1 = fma(w1, load(x + k + W), a1);
-    a2 = fma(w2, load(x + k + 2 * W), a2);
-    a3 = fma(w3, load(x + k + 3 * W), a3);
-    if constexpr (M > 1) {
-      b0 = fma(w0, load(x1 + k), b0);
-      b1 = fma(w1, load(x1 + k + W), b1);
-      b2 = fma(w2, load(x1 + k + 2 * W), b2);
-      b3 = fma(w3, load(x1 + k + 3 * W), b3);
+  for (int64_t half = 0; half < kGroupRows; half += 32) {
+    __m256 acc[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < 4; ++i) acc[m][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const int8_t* col = qg + k * kGroupRows + half;
+      const __m256 w0 = widen(col), w1 = widen(col + 8), w2 = widen(col + 16), w3 = widen(col + 24);
+      for (int m = 0; m < M; ++m) {
+        const __m256 xb = _mm256_set1_ps(x[m * K + k]);
+        acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+        acc[m][2] = _mm256_fmadd_ps(w2, xb, acc[m][2]);
+        acc[m][3] = _mm256_fmadd_ps(w3, xb, acc[m][3]);
+      }
     }
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + m * kGroupRows + half + 8 * i, acc[m][i]);
   }
-  for (; k + W <= K; k += W) {
-    const V w0 = widen(qn + k);
-    a0 = fma(w0, load(x + k), a0);
-    if constexpr (M > 1) b0 = fma(w0, load(x1 + k), b0);
+#else
+  for (int m = 0; m < M; ++m) std::fill(out + m * kGroupRows, out + (m + 1) * kGroupRows, 0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* col = qg + k * kGroupRows;
+    for (int m = 0; m < M; ++m)
+      for (int64_t j = 0; j < kGroupRows; ++j) out[m * kGroupRows + j] += static_cast<float>(col[j]) * x[m * K + k];
   }
-  total[0] = sum(add(add(a0, a1), add(a2, a3)));
-  if constexpr (M > 1) total[1] = sum(add(add(b0, b1), add(b2, b3)));
 #endif
-  for (; k < K; ++k)
-    for (int m = 0; m < M; ++m) total[m] += static_cast<float>(qn[k]) * x[m * K + k];
-  for (int m = 0; m < M; ++m) out[m] = total[m];
 }
 
-// estimates [M][N] and bounds [M][N] (or null) for weight rows [begin, end), and per row of x the
-// largest estimate - bound among them (lower, [M]).
+// estimates [M][N] and bounds [M][N] (or null) for the weight rows of groups [begin, end), and per
+// row of x the largest estimate - bound among them (lower, [M]).
 template <int M>
-void estimate_rows(const Pass& p, const int8_t* q, const float* scales, float* estimates, float* bounds,
-                   float* lower, int64_t begin, int64_t end) {
+void estimate_groups(const Pass& p, const int8_t* q, const float* scales, float* estimates, float* bounds,
+                     float* lower, int64_t begin, int64_t end) {
   const int64_t N = p.N, K = p.K;
   for (int m = 0; m < M; ++m) lower[m] = -INFINITY;
-  float dots[2];
-  for (int64_t n = begin; n < end; ++n) {
-    dot_row<M>(p, q + n * K, dots);
+  alignas(64) float dots[kMaxRows * kGroupRows];
+  for (int64_t g = begin; g < end; ++g) {
+    dot_group<M>(p, q + g * K * kGroupRows, dots);
+    const int64_t first = g * kGroupRows, rows = std::min(kGroupRows, N - first);  // the last group's padding: none
     for (int m = 0; m < M; ++m) {
-      const float e = dots[m] * scales[n], bound = scales[n] * p.c[m];
-      estimates[m * N + n] = e;
-      if (bounds) bounds[m * N + n] = bound;
-      lower[m] = std::max(lower[m], e - bound);
+      for (int64_t j = 0; j < rows; ++j) {
+        const int64_t n = first + j;
+        const float e = dots[m * kGroupRows + j] * scales[n], bound = scales[n] * p.c[m];
+        estimates[m * N + n] = e;
+        if (bounds) bounds[m * N + n] = bound;
+        lower[m] = std::max(lower[m], e - bound);
+      }
     }
   }
 }
@@ -153,17 +174,17 @@ void estimate_all(const Pass& p, const at::Tensor& q, const at::Tensor& scales, 
                   float* best_lower) {
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  // 256 weight rows a task at least: a row is K bytes (576 for the default model), a task ~150 KB.
-  const int64_t grain = 256, tasks = (p.N + grain - 1) / grain;
+  // 4 groups a task: 256 weight rows, ~150 KB for the default model's K of 576.
+  const int64_t grain = 4, groups = q.size(0), tasks = (groups + grain - 1) / grain;
   std::vector<float> lowers(tasks * kMaxRows, -INFINITY);
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t begin = t * grain, end = std::min(p.N, begin + grain);
+      const int64_t begin = t * grain, end = std::min(groups, begin + grain);
       float* lower = lowers.data() + t * kMaxRows;
       if (p.M == 1)
-        estimate_rows<1>(p, qp, sp, estimates, bounds, lower, begin, end);
+        estimate_groups<1>(p, qp, sp, estimates, bounds, lower, begin, end);
       else
-        estimate_rows<2>(p, qp, sp, estimates, bounds, lower, begin, end);
+        estimate_groups<2>(p, qp, sp, estimates, bounds, lower, begin, end);
     }
   });
   for (int64_t m = 0; m < p.M; ++m) {
@@ -185,11 +206,9 @@ std::tuple<at::Tensor, at::Tensor> int8_logit_estimates(const at::Tensor& x, con
 // The panels (ascending) holding a row n whose upper bound, estimate + bound, reaches for some row
 // m of x reach[m] = best_lower[m] - margin * (|best_lower[m]| + the largest bound); empty when
 // there are more than `limit` such panels or x is not finite (the caller then runs the full head).
-at::Tensor int8_argmax_panels(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, double slack,
-                              double margin, int64_t limit) {
-  const Pass p = prepare(x, q, scales, slack);
-  const auto none = at::empty({0}, at::TensorOptions().dtype(at::kLong));
-  if (!p.finite) return none;
+std::vector<int64_t> candidate_panels(const Pass& p, const at::Tensor& q, const at::Tensor& scales, double margin,
+                                      int64_t limit) {
+  if (!p.finite) return {};
   const int64_t M = p.M, N = p.N;
   const float* sp = scales.data_ptr<float>();
   std::vector<float> estimates(M * N);
@@ -198,7 +217,7 @@ at::Tensor int8_argmax_panels(const at::Tensor& x, const at::Tensor& q, const at
   const float widest_scale = N > 0 ? *std::max_element(sp, sp + N) : 0.f;
   for (int64_t m = 0; m < M; ++m) {
     reach[m] = best_lower[m] - static_cast<float>(margin) * (std::fabs(best_lower[m]) + p.c[m] * widest_scale);
-    if (!std::isfinite(reach[m])) return none;
+    if (!std::isfinite(reach[m])) return {};
   }
   std::vector<int64_t> panels;
   for (int64_t n = 0; n < N; ++n) {
@@ -206,23 +225,63 @@ at::Tensor int8_argmax_panels(const at::Tensor& x, const at::Tensor& q, const at
     for (int64_t m = 0; m < M; ++m) candidate |= estimates[m * N + n] + sp[n] * p.c[m] >= reach[m];
     if (!candidate) continue;
     const int64_t panel = n / kPanelRows;
-    if (static_cast<int64_t>(panels.size()) == limit) return none;
+    if (static_cast<int64_t>(panels.size()) == limit) return {};
     panels.push_back(panel);
     n = (panel + 1) * kPanelRows - 1;  // the rest of this panel is in already
   }
-  at::Tensor out = at::empty({static_cast<int64_t>(panels.size())}, at::TensorOptions().dtype(at::kLong));
-  std::copy(panels.begin(), panels.end(), out.data_ptr<int64_t>());
-  return out;
+  return panels;
+}
+
+// Each row of x's greedy token over the full head `packed` (panel_linear's panels; its first N
+// rows are the vocabulary, the rest padding): the candidate panels' logits computed exactly by
+// panel_linear on a copy of those panels (each output depends only on its row of weights and x,
+// so the values are the full head's, bit for bit), then their argmax in vocabulary order with
+// torch's rule (the first maximum; a NaN beats every number). Empty where the int8 pass does
+// not answer: the caller runs the full head.
+at::Tensor int8_greedy_tokens(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                              const at::Tensor& packed, double slack, double margin, int64_t limit) {
+  const Pass p = prepare(x, q, scales, slack);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) * kPanelRows >= p.N,
+              "int8_greedy_tokens: packed must be the head's panels, at least N rows");
+  const std::vector<int64_t> panels = candidate_panels(p, q, scales, margin, limit);
+  if (panels.empty()) return at::empty({0}, at::TensorOptions().dtype(at::kLong));
+  static const auto panel_linear =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tpserve_cpu::panel_linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  const int64_t count = static_cast<int64_t>(panels.size());
+  at::Tensor ids = at::empty({count}, at::TensorOptions().dtype(at::kLong));
+  std::copy(panels.begin(), panels.end(), ids.data_ptr<int64_t>());
+  const at::Tensor exact =
+      panel_linear.call(x.contiguous(), packed.index_select(0, ids), std::nullopt).to(at::kFloat).contiguous();
+  const float* logits = exact.data_ptr<float>();
+  const int64_t width = count * kPanelRows;
+  at::Tensor tokens = at::empty({p.M}, at::TensorOptions().dtype(at::kLong));
+  for (int64_t m = 0; m < p.M; ++m) {
+    int64_t best = -1;
+    float best_value = 0.f;
+    for (int64_t i = 0; i < width; ++i) {
+      const int64_t column = panels[i / kPanelRows] * kPanelRows + i % kPanelRows;
+      if (column >= p.N) break;  // padding rows close the last panel
+      const float v = logits[m * width + i];
+      if (best < 0 || v > best_value || (std::isnan(v) && !std::isnan(best_value))) best = column, best_value = v;
+    }
+    tokens.data_ptr<int64_t>()[m] = best;
+  }
+  return tokens;
 }
 
 int64_t int8_logits_max_rows() { return kMaxRows; }
+int64_t int8_logits_group_rows() { return kGroupRows; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
   m.def("int8_logit_estimates(Tensor x, Tensor q, Tensor scales, float slack) -> (Tensor, Tensor)",
         &int8_logit_estimates);
-  m.def("int8_argmax_panels(Tensor x, Tensor q, Tensor scales, float slack, float margin, int limit) -> Tensor",
-        &int8_argmax_panels);
+  m.def("int8_greedy_tokens(Tensor x, Tensor q, Tensor scales, Tensor packed, float slack, float margin, "
+        "int limit) -> Tensor",
+        &int8_greedy_tokens);
   m.def("int8_logits_max_rows() -> int", &int8_logits_max_rows);
+  m.def("int8_logits_group_rows() -> int", &int8_logits_group_rows);
 }
