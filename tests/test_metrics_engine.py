@@ -92,12 +92,13 @@ class Tracked:
 
 
 class Driver:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, step_flush_interval_s: float = 0.0) -> None:
         self.engine = engine
         cfg = engine.scheduler_config
         self.prom = PrometheusStatLogger(MODEL, cfg.max_num_batched_tokens, engine.max_model_len)
         self.recorder = Recorder()
-        self.metrics = EngineMetrics([self.prom, self.recorder], timeline_capacity=64, frontend_finalizes=True)
+        self.metrics = EngineMetrics([self.prom, self.recorder], timeline_capacity=64, frontend_finalizes=True,
+                                     step_flush_interval_s=step_flush_interval_s)
         self.metrics.log_startup(engine)
         self.requests: dict[str, Tracked] = {}
 
@@ -540,3 +541,42 @@ def test_aborted_requests_are_counted_with_the_intervals_they_reached(tiny_path)
     assert decoding.stats.decode_time is not None and decoding.stats.finished_reason == "abort"
     for request_id in ("decoding", "prefilling", "queued"):
         assert driver.metrics.timelines.get(request_id).extra["finish_reason"] == "abort"
+
+
+def test_batched_step_stats_all_reach_the_loggers_in_order(tiny_path, monkeypatch):
+    """A server hands step stats to the loggers in batches (step_flush_interval_s): each step's
+    stats are held until the oldest held one is that old, or until /metrics renders, a request
+    ends between steps, or the loop flushes; none is lost, reordered or counted twice."""
+    import deployments.engine.engine_metrics as engine_metrics
+
+    clock = [100.0]
+    monkeypatch.setattr(engine_metrics, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    driver = Driver(tiny_engine(tiny_path, num_blocks=64), step_flush_interval_s=0.25)
+    driver.add("a", prompt(10, 12), max_tokens=8)
+    driver.add("b", prompt(40, 6), max_tokens=8)
+    held = [driver.step() for _ in range(3)]
+    assert driver.recorder.iterations == []  # no time has passed: all three are held
+    samples = parse(driver.metrics.render_metrics().decode())  # a scrape sees every step so far
+    assert driver.recorder.iterations == held
+    assert value(samples, "tpserve_generation_tokens_total") == sum(i.num_generation_tokens for i in held)
+    assert value(samples, "tpserve_iteration_tokens_total_count") == 3
+
+    more = [driver.step(), driver.step()]
+    clock[0] += 0.1
+    more.append(driver.step())
+    assert driver.recorder.iterations == held  # the oldest held step is 0.1 s old
+    clock[0] += 0.15
+    more.append(driver.step())  # now 0.25 s: this step and every one before it go out
+    assert driver.recorder.iterations == held + more
+
+    last = driver.step()
+    driver.abort(["a"])  # a request ended between steps: held steps first, then the gauges
+    assert driver.recorder.iterations == held + more + [last]
+    driver.run_to_end()
+    driver.metrics.flush_steps()  # what the server's loop does once the engine is out of work
+    samples = parse(driver.metrics.render_metrics().decode())
+    assert len(driver.recorder.iterations) == len({id(i) for i in driver.recorder.iterations})
+    produced = sum(t.num_output_tokens for t in driver.requests.values())
+    assert value(samples, "tpserve_generation_tokens_total") == produced
+    assert value(samples, "tpserve_iteration_tokens_total_count") == len(driver.recorder.iterations)
+    assert value(samples, "tpserve_kv_cache_used_blocks") == 0

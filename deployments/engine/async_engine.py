@@ -40,6 +40,9 @@ logger = logging.getLogger("tpserve")
 
 # While idle, gauges are set again this often (Ray's export drops gauges left unset).
 _IDLE_GAUGE_REFRESH_S = 5.0
+# Step stats reach the stat loggers in batches at most this old (engine_metrics.py says why);
+# /metrics and an engine out of work flush them at once.
+_STEP_STATS_FLUSH_S = 0.25
 
 # What a request reads when the engine could not queue it for a reason that is not its input's.
 ADD_FAILED_MESSAGE = "the server failed to queue this request"
@@ -117,7 +120,7 @@ class AsyncEngine:
         self.metrics = EngineMetrics(
             make_stat_loggers(self.model_name, config, self.max_model_len), config.timeline_capacity,
             frontend_finalizes=True, request_metrics_default=config.request_metrics,
-            tracer=make_request_tracer(config),
+            tracer=make_request_tracer(config), step_flush_interval_s=_STEP_STATS_FLUSH_S,
         )
         self.metrics.log_startup(self.engine)
         self._streams: dict[str, RequestStream] = {}
@@ -315,6 +318,7 @@ class AsyncEngine:
                 self.metrics.on_step(outputs, None)
                 self._emit(outputs)
                 if not self.engine.has_unfinished_requests():
+                    self.metrics.flush_steps()
                     self._wakeup.clear()
                     if not self._pending_adds and not self._pending_aborts:
                         await self._wait_for_work()

@@ -6,11 +6,20 @@ frontend events (RESPONDED finalizes: e2e needs it), `request_metrics` builds a 
 `metrics` object, `render_metrics` / `get_timeline` serve /metrics and the timelines. Offline
 use (no frontend) finalizes at FINISHED. Stat loggers are called through one fanout that logs
 and swallows their exceptions: metrics can never stop the engine.
+
+A server's step stats reach the loggers in batches (`step_flush_interval_s`): every step's stats
+still reach every logger, in order, only up to that interval later, and at once before /metrics
+renders, when the gauges are refreshed and when the engine runs out of work (`flush_steps`). Why:
+one exporter call per step, made while the model's threads stream the weights through the caches,
+finds all of the exporters' code and data cold; at one stream on a 2-core Zen 4 the replica's
+event loop spent ~0.3 ms of a ~12 ms token there (py-spy, GIL held: 70% of the loop's time),
+against ~0.05 ms a step for the same calls in a tight loop.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -83,7 +92,8 @@ def make_request_tracer(config: TpserveConfig) -> RequestTracer | None:
 
 class EngineMetrics:
     def __init__(self, loggers: list[StatLogger], timeline_capacity: int, frontend_finalizes: bool,
-                 request_metrics_default: bool = False, tracer: RequestTracer | None = None) -> None:
+                 request_metrics_default: bool = False, tracer: RequestTracer | None = None,
+                 step_flush_interval_s: float = 0.0) -> None:
         self.loggers = loggers
         # Every logger call goes through it; a logger that raises is logged, never propagated.
         self._fanout = StatLoggerFanout(loggers, isolate_errors=True)
@@ -98,6 +108,12 @@ class EngineMetrics:
         self._scheduler = None
         # Emits each finalized request's spans (docs/tracing.md); None = tracing off.
         self.tracer = tracer
+        # Step stats wait in _pending_steps until the oldest is this many seconds old (0: each
+        # step reaches the loggers at once).
+        self.step_flush_interval_s = step_flush_interval_s
+        self._pending_steps: list[IterationStats] = []
+        # time.monotonic() when the oldest pending step arrived.
+        self._pending_since = 0.0
 
     # ---- startup ------------------------------------------------------------------------
     def log_startup(self, engine) -> None:
@@ -131,6 +147,7 @@ class EngineMetrics:
         idle replica would otherwise vanish from the Ray-side KV and queue series."""
         if self._scheduler is None:
             return
+        self.flush_steps()
         self._fanout.log_cache_config(self._cache_config_info)
         self._fanout.record_state(self._scheduler.state_stats())
 
@@ -149,10 +166,22 @@ class EngineMetrics:
         the queues with no step to report it (the engine may go idle right after), so the state
         gauges are refreshed from the scheduler of the engine given to `log_startup`."""
         if iteration is not None:
-            self._fanout.record(iteration)
+            self._pending_steps.append(iteration)
+            current = time.monotonic()
+            if len(self._pending_steps) == 1:
+                self._pending_since = current
+            if current - self._pending_since >= self.step_flush_interval_s:
+                self.flush_steps()
         elif self._scheduler is not None and any(out.finished for out in outputs):
+            self.flush_steps()  # the state gauges below are newer than any pending step's
             self._fanout.record_state(self._scheduler.state_stats())
         self.on_outputs(outputs)
+
+    def flush_steps(self) -> None:
+        """Hand every pending step's stats to the loggers, oldest first."""
+        steps, self._pending_steps = self._pending_steps, []
+        for iteration in steps:
+            self._fanout.record(iteration)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -224,7 +253,8 @@ class EngineMetrics:
             return None
 
     def shutdown(self) -> None:
-        """Flush what tracing still holds (the engine is going away)."""
+        """Flush the pending steps and what tracing still holds (the engine is going away)."""
+        self.flush_steps()
         if self.tracer is not None:
             try:
                 self.tracer.shutdown()
@@ -277,6 +307,7 @@ class EngineMetrics:
     def render_metrics(self, openmetrics_format: bool = False) -> bytes:
         """The body of GET /metrics: Prometheus text, or OpenMetrics with the trace exemplars
         (empty without a Prometheus logger)."""
+        self.flush_steps()
         prometheus = next((x for x in self.loggers if isinstance(x, PrometheusStatLogger)), None)
         return prometheus.render(openmetrics_format) if prometheus is not None else b""
 
