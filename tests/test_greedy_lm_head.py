@@ -71,6 +71,12 @@ def test_estimates_stay_within_their_bounds_of_float64_logits():
             assert float(bound.median()) < 0.2 * float(truth.std())
 
 
+def test_the_int8_layout_and_row_limit_are_the_kernels():
+    """greedy_lm_head.py lays the copy out and caps the rows as int8_logits.cpp reads them."""
+    assert torch.ops.tpserve_cpu.int8_logits_group_rows() == glh.GROUP_ROWS
+    assert torch.ops.tpserve_cpu.int8_logits_max_rows() == glh.MAX_ROWS
+
+
 def test_int8_rows_are_each_row_rounded_at_its_scale_in_groups_of_64():
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(130, 48, generator=gen)
