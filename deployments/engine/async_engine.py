@@ -40,7 +40,7 @@ logger = logging.getLogger("tpserve")
 
 # While idle, gauges are set again this often (Ray's export drops gauges left unset).
 _IDLE_GAUGE_REFRESH_S = 5.0
-# Step stats reach the stat loggers in batches at most this old (engine_metrics.py says why);
+# Step stats reach the stat loggers in batches, once the oldest waiting is this old (engine_metrics.py says why);
 # /metrics and an engine out of work flush them at once.
 _STEP_STATS_FLUSH_S = 0.25
 

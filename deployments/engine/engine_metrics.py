@@ -8,8 +8,9 @@ use (no frontend) finalizes at FINISHED. Stat loggers are called through one fan
 and swallows their exceptions: metrics can never stop the engine.
 
 A server's step stats reach the loggers in batches (`step_flush_interval_s`): every step's stats
-still reach every logger, in order, only up to that interval later, and at once before /metrics
-renders, when the gauges are refreshed and when the engine runs out of work (`flush_steps`). Why:
+still reach every logger, in order, at most that interval plus one step later, and at once before
+/metrics renders, when the gauges are refreshed and when the engine runs out of work
+(`flush_steps`). Why:
 one exporter call per step, made while the model's threads stream the weights through the caches,
 finds all of the exporters' code and data cold; at one stream on a 2-core Zen 4 the replica's
 event loop spent ~0.3 ms of a ~12 ms token there (py-spy, GIL held: 70% of the loop's time),
