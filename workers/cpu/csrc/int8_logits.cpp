@@ -92,49 +92,48 @@ template <int M>
 inline void dot_group(const Pass& p, const int8_t* qg, float* out) {
   const int64_t K = p.K;
   const float* x = p.x.data_ptr<float>();
+#if defined(__AVX512F__) || defined(TPSERVE_AVX2)
 #if defined(__AVX512F__)
+  using V = __m512;
+  constexpr int64_t W = 16;  // lanes
   auto widen = [](const int8_t* ptr) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ptr))));
   };
-  __m512 acc[M][4];
-  for (int m = 0; m < M; ++m)
-    for (int i = 0; i < 4; ++i) acc[m][i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const int8_t* col = qg + k * kGroupRows;
-    const __m512 w0 = widen(col), w1 = widen(col + 16), w2 = widen(col + 32), w3 = widen(col + 48);
-    for (int m = 0; m < M; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-      acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
-      acc[m][2] = _mm512_fmadd_ps(w2, xb, acc[m][2]);
-      acc[m][3] = _mm512_fmadd_ps(w3, xb, acc[m][3]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + m * kGroupRows + 16 * i, acc[m][i]);
-#elif defined(TPSERVE_AVX2)
-  // Sixteen 8-lane registers would hold a whole group for two rows of x and leave none for the
-  // weights: two passes of 32 rows each; the second reads the group's lines from L2.
+  auto zero = [] { return _mm512_setzero_ps(); };
+  auto broadcast = [](float v) { return _mm512_set1_ps(v); };
+  auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
+  auto store = [](float* ptr, V v) { _mm512_storeu_ps(ptr, v); };
+#else
+  using V = __m256;
+  constexpr int64_t W = 8;
   auto widen = [](const int8_t* ptr) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ptr))));
   };
-  for (int64_t half = 0; half < kGroupRows; half += 32) {
-    __m256 acc[M][4];
+  auto zero = [] { return _mm256_setzero_ps(); };
+  auto broadcast = [](float v) { return _mm256_set1_ps(v); };
+  auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
+  auto store = [](float* ptr, V v) { _mm256_storeu_ps(ptr, v); };
+#endif
+  // Four registers per row of x a pass: one pass of 64 rows with 16 lanes; with 8 lanes two
+  // passes of 32 (sixteen registers would hold the whole group's sums for two rows of x and leave
+  // none for the weights), the second reading the group's lines from L2.
+  for (int64_t pass = 0; pass < kGroupRows; pass += 4 * W) {
+    V acc[M][4];
     for (int m = 0; m < M; ++m)
-      for (int i = 0; i < 4; ++i) acc[m][i] = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) acc[m][i] = zero();
     for (int64_t k = 0; k < K; ++k) {
-      const int8_t* col = qg + k * kGroupRows + half;
-      const __m256 w0 = widen(col), w1 = widen(col + 8), w2 = widen(col + 16), w3 = widen(col + 24);
+      const int8_t* col = qg + k * kGroupRows + pass;
+      const V w0 = widen(col), w1 = widen(col + W), w2 = widen(col + 2 * W), w3 = widen(col + 3 * W);
       for (int m = 0; m < M; ++m) {
-        const __m256 xb = _mm256_set1_ps(x[m * K + k]);
-        acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
-        acc[m][2] = _mm256_fmadd_ps(w2, xb, acc[m][2]);
-        acc[m][3] = _mm256_fmadd_ps(w3, xb, acc[m][3]);
+        const V xb = broadcast(x[m * K + k]);
+        acc[m][0] = fma(w0, xb, acc[m][0]);
+        acc[m][1] = fma(w1, xb, acc[m][1]);
+        acc[m][2] = fma(w2, xb, acc[m][2]);
+        acc[m][3] = fma(w3, xb, acc[m][3]);
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + m * kGroupRows + half + 8 * i, acc[m][i]);
+      for (int i = 0; i < 4; ++i) store(out + m * kGroupRows + pass + W * i, acc[m][i]);
   }
 #else
   for (int m = 0; m < M; ++m) std::fill(out + m * kGroupRows, out + (m + 1) * kGroupRows, 0.f);
