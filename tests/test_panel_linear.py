@@ -305,6 +305,27 @@ def test_calibration_keeps_the_kernel_up_to_the_first_probe_it_loses():
     assert choose_panel_rows({}) == 0
 
 
+def test_a_lost_probe_is_timed_again_and_only_a_second_loss_ends_the_range(monkeypatch):
+    """The first timing at 4 rows is lost to a (scripted) neighbour and the retry wins; 16 and 64
+    win; 256 loses twice: the kernel keeps every batch up to 64 rows."""
+    from workers.cpu import linear as cpu_linear
+
+    panel_won = iter([False, True, True, True, False, False])
+    calls = []
+
+    def scripted(kernels, repeats):
+        calls.append(sorted(kernels))
+        won = next(panel_won)
+        return {"panel": 1.0 if won else 2.0, "onednn": 1.5}
+
+    monkeypatch.setattr(cpu_linear, "fastest_alternated", scripted)
+    rows, timings = calibrate_panel_rows.__wrapped__(((64, 96), (32, 48)))
+    assert len(calls) == 6 and all(c == ["onednn", "panel"] for c in calls)
+    assert rows == 64
+    # One entry per probe: the timing the decision stands on.
+    assert [(probe, panel) for probe, panel, _ in timings] == [(4, 1.0), (16, 1.0), (64, 1.0), (256, 2.0)]
+
+
 def test_calibration_times_both_kernels_until_the_first_loss():
     shapes = ((192, 96), (32, 48))
     rows, timings = calibrate_panel_rows(shapes)
