@@ -12,6 +12,11 @@ in-process benchmarks did). `route_tpserve_logs` sends them to:
 - otherwise also the process's real stderr: Serve's fast path turns Serve's stderr logging off
   (and points `sys.stderr` at its own logger), while Ray streams a worker's real stderr to the
   driver, so `tpserve serve` and `serve run` print the lines in their terminal.
+
+The `workers` package's loggers go the same way: at INFO they say, once at load, what this CPU
+was timed to serve with (the kernel build, which kernel takes projections up to how many rows,
+the greedy LM head, the prefill attention route). Those choices are timed per process, and a
+neighbour busy through a timing once cost a replica its panel kernels without a line anywhere.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from typing import TextIO
 
 # The logger the engine and the HTTP app write their operator lines to.
 TPSERVE_LOGGER = "tpserve"
+# The model side's loggers (workers.*): their INFO lines are the load-time kernel choices.
+WORKERS_LOGGER = "workers"
+# Every logger routed here.
+ROUTED_LOGGERS = (TPSERVE_LOGGER, WORKERS_LOGGER)
 # The logger Ray Serve configures in each replica (its file, and stderr unless switched off).
 SERVE_LOGGER = "ray.serve"
 # Format of the stderr handler added here, in the spirit of Serve's own lines.
@@ -36,21 +45,24 @@ def _writes_to_stderr(handler: logging.Handler) -> bool:
 
 
 def route_tpserve_logs(level: int = logging.INFO, stderr: TextIO | None = None) -> logging.Logger:
-    """Send the `tpserve` logger's lines at `level` and above to Serve's handlers of this process
-    and, where none of them writes to stderr, to `stderr` (default: the process's real stderr).
-    Idempotent: a second call adds nothing."""
-    log = logging.getLogger(TPSERVE_LOGGER)
-    log.setLevel(level)
+    """Send the lines of the `tpserve` and `workers` loggers at `level` and above to Serve's
+    handlers of this process and, where none of them writes to stderr, to `stderr` (default: the
+    process's real stderr). Idempotent: a second call adds nothing. Returns the `tpserve` logger."""
     serve_handlers = logging.getLogger(SERVE_LOGGER).handlers
-    for handler in serve_handlers:
-        if handler not in log.handlers:
-            log.addHandler(handler)
-    if not any(getattr(h, _CONSOLE_MARK, False) or _writes_to_stderr(h) for h in log.handlers):
-        console = logging.StreamHandler(stderr if stderr is not None else sys.__stderr__)
-        console.setFormatter(logging.Formatter(STDERR_FORMAT))
-        setattr(console, _CONSOLE_MARK, True)
-        log.addHandler(console)
-    # The handlers above print each line once; the root logger's (if a host process set any)
-    # would print it again.
-    log.propagate = False
-    return log
+    console: logging.Handler | None = None
+    for name in ROUTED_LOGGERS:
+        log = logging.getLogger(name)
+        log.setLevel(level)
+        for handler in serve_handlers:
+            if handler not in log.handlers:
+                log.addHandler(handler)
+        if not any(getattr(h, _CONSOLE_MARK, False) or _writes_to_stderr(h) for h in log.handlers):
+            if console is None:
+                console = logging.StreamHandler(stderr if stderr is not None else sys.__stderr__)
+                console.setFormatter(logging.Formatter(STDERR_FORMAT))
+                setattr(console, _CONSOLE_MARK, True)
+            log.addHandler(console)
+        # The handlers above print each line once; the root logger's (if a host process set any)
+        # would print it again.
+        log.propagate = False
+    return logging.getLogger(TPSERVE_LOGGER)

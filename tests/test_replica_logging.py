@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from deployments.replica_logging import SERVE_LOGGER, TPSERVE_LOGGER, route_tpserve_logs
+from deployments.replica_logging import ROUTED_LOGGERS, SERVE_LOGGER, TPSERVE_LOGGER, route_tpserve_logs
 
 
 class Collect(logging.Handler):
@@ -22,9 +22,9 @@ class Collect(logging.Handler):
 
 @pytest.fixture
 def loggers():
-    """The two loggers, restored afterwards (they are process-wide)."""
+    """The routed loggers and Serve's, restored afterwards (they are process-wide)."""
     saved = {name: (lg.level, list(lg.handlers), lg.propagate)
-             for name in (TPSERVE_LOGGER, SERVE_LOGGER) for lg in [logging.getLogger(name)]}
+             for name in (*ROUTED_LOGGERS, SERVE_LOGGER) for lg in [logging.getLogger(name)]}
     for name in saved:
         logging.getLogger(name).handlers = []
     yield logging.getLogger(TPSERVE_LOGGER), logging.getLogger(SERVE_LOGGER)
@@ -61,3 +61,20 @@ def test_no_extra_stderr_handler_where_serve_already_logs_to_stderr(loggers, cap
     tpserve.info("Maximum concurrency for 256 tokens per request: 3.00x")
     assert ours.getvalue() == ""
     assert capsys.readouterr().err.count("Maximum concurrency") == 1
+
+
+def test_the_load_time_kernel_choices_reach_the_replica_s_log_too(loggers):
+    """workers.* INFO lines (which kernel serves which batches, timed per process) go where the
+    tpserve lines go, through one stderr handler, each once."""
+    _, serve = loggers
+    replica_file = Collect()
+    serve.addHandler(replica_file)
+    stderr = io.StringIO()
+    route_tpserve_logs(stderr=stderr)
+    route_tpserve_logs(stderr=stderr)
+    logging.getLogger("workers.cpu.linear").info("panel_linear takes %s batches", "every")
+    logging.getLogger("workers.cpu.linear").debug("not at INFO")
+    assert replica_file.messages == ["panel_linear takes every batches"]
+    assert stderr.getvalue().count("panel_linear takes every batches") == 1
+    assert "not at INFO" not in stderr.getvalue()
+    assert logging.getLogger("workers").propagate is False
