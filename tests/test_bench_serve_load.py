@@ -234,3 +234,24 @@ def test_serve_compare_rounds_against_a_running_server(fake_server, tmp_path):
     out = json.loads(buf.getvalue())
     assert len(out["tpserve"]["rounds"]) == 2 and out["tpserve"]["2"]["completed"] == 16
     assert out["tpserve"]["2"]["output_token_throughput"] > 0
+
+
+def test_a_results_file_records_the_replica_s_load_time_kernel_choices(tmp_path):
+    from bench.online.serve_compare import load_time_choices
+
+    log = tmp_path / "tpserve.log"
+    replica = "\x1b[36m(ServeReplica:tpserve:tpserve pid=20409)\x1b[0m INFO 2026-12-07 00:05:33,223 tpserve -- "
+    log.write_text("\n".join([
+        "2026-12-07 00:05:20,762\tINFO worker.py:2024 -- Started a local Ray instance.",
+        replica + "tpserve CPU kernels: avx512_bf16 build",
+        replica + "panel_linear takes bfloat16 pair-panel batches of every size, oneDNN none (rows: 4: 2.37 / 3.38)",
+        replica + "KV cache: 5824 blocks x 16 tokens = 93184 tokens (2.00 GiB per rank)",
+        replica + "greedy LM head: an int8 copy (28.5 MB) answers greedy batches of up to 2 rows first",
+        replica + "Running: 15 reqs, Waiting: 0 reqs",
+    ]))
+    assert load_time_choices(log) == [
+        "tpserve CPU kernels: avx512_bf16 build",
+        "panel_linear takes bfloat16 pair-panel batches of every size, oneDNN none (rows: 4: 2.37 / 3.38)",
+        "greedy LM head: an int8 copy (28.5 MB) answers greedy batches of up to 2 rows first",
+    ]
+    assert load_time_choices(tmp_path / "missing.log") == []

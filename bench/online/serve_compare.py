@@ -159,6 +159,27 @@ def load_level_with_floor(base_url: str, concurrency: int, requests: list, args,
     return result
 
 
+# How the lines a tpserve replica logs at load about what this CPU was timed to serve with begin
+# (workers.* loggers, routed to the server's log by deployments/replica_logging.py).
+LOAD_TIME_CHOICE_PREFIXES = ("tpserve CPU kernels:", "bf16 panels at", "panel_linear takes", "greedy LM head",
+                             "CPU layer stack off", "bf16 prefill attention through")
+
+
+def load_time_choices(log_path: Path) -> list[str]:
+    """The server log's load-time kernel choices, message text only, in order (none for a peer):
+    they are timed per process, so a results file records which ones served its figures."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return []
+    choices = []
+    for line in text.splitlines():
+        message = line.split(" -- ", 1)[-1].strip()
+        if message.startswith(LOAD_TIME_CHOICE_PREFIXES):
+            choices.append(message)
+    return choices
+
+
 def bench_one(name: str, start: Callable[[int], ManagedServer], base_url: str | None, workloads: dict[int, list],
               args, round_index: int = 0) -> dict:
     """Run every level against `base_url`, or against a server `start(streams)` brings up and we
@@ -171,6 +192,9 @@ def bench_one(name: str, start: Callable[[int], ManagedServer], base_url: str | 
             server = start(max(workloads))
             base_url = server.base_url
             results["server_log"] = str(server.log_path)
+            choices = load_time_choices(server.log_path)
+            if choices:
+                results["load_time_choices"] = choices
         for concurrency, requests in workloads.items():
             logger.info("%s: %d streams, %d prompts", name, concurrency, len(requests))
             seed = workload_seed(args.seed, concurrency, round_index)
