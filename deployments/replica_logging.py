@@ -16,7 +16,8 @@ in-process benchmarks did). `route_tpserve_logs` sends them to:
 The `workers` package's loggers go the same way: at INFO they say, once at load, what this CPU
 was timed to serve with (the kernel build, which kernel takes projections up to how many rows,
 the greedy LM head, the prefill attention route). Those choices are timed per process, and a
-neighbour busy through a timing once cost a replica its panel kernels without a line anywhere.
+neighbour busy through a timing once cost an engine its panel kernels (in process, where the lines
+were visible; in a replica they were dropped).
 """
 
 from __future__ import annotations

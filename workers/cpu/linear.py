@@ -181,8 +181,9 @@ def calibrate_panel_rows(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype
         best = fastest_alternated(kernels_at_probe, CALIBRATION_REPEATS)
         if best["panel"] > best["onednn"]:
             # A loss ends the kernel's range for the process's life, so it is timed twice: a
-            # neighbour busy through one timing (a package install beside a loading replica, 2-core
-            # Zen 4) once cost a server its panels at 4 rows, where they run ~1.5x oneDNN's speed.
+            # neighbour busy through one timing (a package install beside an engine loading in
+            # process, 2-core Zen 4) once cost it its panels at 4 rows, where they run ~1.5x
+            # oneDNN's speed.
             best = fastest_alternated(kernels_at_probe, CALIBRATION_REPEATS)
         faster[probe] = best["panel"] <= best["onednn"]
         timings.append((probe, best["panel"], best["onednn"]))
