@@ -162,8 +162,9 @@ def calibrate_panel_rows(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype
     """panel_linear's row limit on this CPU for projections of the given [out, in] shapes (one
     layer's) in `dtype` (float32, or bf16 on AVX512-BF16 builds; `pairs`: bf16 pair panels, even
     K): both kernels timed at each probe row count, a pass running every shape over the calibration
-    weights; a probe the kernel loses is timed again, and only a second loss counts. Returns (rows, ((probe, panel s, oneDNN s), ...)). Once per set of shapes, dtype, form
-    and process."""
+    weights; a probe the kernel loses is timed again, and only a second loss counts. Returns (rows,
+    ((probe, panel s, oneDNN s), ...)), the timing each decision stands on. Once per set of shapes,
+    dtype, form and process."""
     gen = torch.Generator().manual_seed(0)
     copies, weights = _calibration_weights(shapes, dtype, gen)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT) for w in weights]
