@@ -40,8 +40,8 @@ logger = logging.getLogger("tpserve")
 
 # While idle, gauges are set again this often (Ray's export drops gauges left unset).
 _IDLE_GAUGE_REFRESH_S = 5.0
-# Step stats reach the stat loggers in batches, once the oldest waiting is this old (engine_metrics.py says why);
-# /metrics and an engine out of work flush them at once.
+# Step stats reach the stat loggers in batches, once the oldest waiting is this old
+# (engine_metrics.py says why); /metrics and an engine out of work flush them at once.
 _STEP_STATS_FLUSH_S = 0.25
 
 # What a request reads when the engine could not queue it for a reason that is not its input's.

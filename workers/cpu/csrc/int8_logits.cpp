@@ -102,7 +102,7 @@ inline void dot_group(const Pass& p, const int8_t* qg, float* out) {
   auto zero = [] { return _mm512_setzero_ps(); };
   auto broadcast = [](float v) { return _mm512_set1_ps(v); };
   auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
-  auto store = [](float* ptr, V v) { _mm512_storeu_ps(ptr, v); };
+  auto store = [](float* ptr, V v) { store16(ptr, v); };  // vec.h's
 #else
   using V = __m256;
   constexpr int64_t W = 8;
@@ -112,7 +112,7 @@ inline void dot_group(const Pass& p, const int8_t* qg, float* out) {
   auto zero = [] { return _mm256_setzero_ps(); };
   auto broadcast = [](float v) { return _mm256_set1_ps(v); };
   auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
-  auto store = [](float* ptr, V v) { _mm256_storeu_ps(ptr, v); };
+  auto store = [](float* ptr, V v) { store8(ptr, v); };  // vec.h's
 #endif
   // Four registers per row of x a pass: one pass of 64 rows with 16 lanes; with 8 lanes two
   // passes of 32 (sixteen registers would hold the whole group's sums for two rows of x and leave
