@@ -70,8 +70,8 @@ bench-llamacpp-build: bench-deps
 	$(PY) -m bench.peers.llamacpp_peer convert --dtype $$($(PY) -c "from bench.online.serve_compare import concrete_dtype; print(concrete_dtype('auto'))")
 
 # tpserve vs vLLM's CPU build vs llama.cpp's server at 1, 16 and 64 streams plus the offline
-# engines, all in the dtype tpserve's auto picks on this CPU (bfloat16 with AVX512-BF16/AMX, else
-# float32). BENCH_SERVE_ARGS="--dtype bfloat16" to force one; "--client vllm-bench" to load them
+# engines, all in the dtype tpserve's auto picks on this CPU (bfloat16 with AVX512-BF16/AMX or AVX2
+# without AVX-512, else float32). BENCH_SERVE_ARGS="--dtype bfloat16" to force one; "--client vllm-bench" to load them
 # with `vllm bench serve` (add "--vllm-bench-dataset sharegpt" for chat-shaped lengths). It also
 # prints the 1-stream weight-read floor and the TTFT curve (BENCH_SERVE_ARGS="--ttft-curve ''" skips it).
 BENCH_SERVE_ARGS ?=

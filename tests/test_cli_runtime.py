@@ -82,7 +82,9 @@ def test_ready_line_says_where_and_gives_a_request_that_parses(host, reach):
 @pytest.mark.parametrize("flags, fast", [
     ("fpu sse avx512f avx512_bf16 avx512_vnni", True),
     ("fpu sse amx_bf16 amx_tile", True),
-    ("fpu sse avx2 avx512f", False),
+    ("fpu sse avx2 avx512f", False),  # AVX-512 without AVX512-BF16: no bf16 panels in its build
+    ("fpu sse avx2 fma", True),  # AVX2 + FMA: the avx2 build's bf16 panels
+    ("fpu sse avx2", False),
     ("fpu sse avx512_bf16x", False),  # a longer flag name is not the flag
 ])
 def test_fast_bf16_read_from_the_cpu_flags(tmp_path, flags, fast):

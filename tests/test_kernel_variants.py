@@ -99,10 +99,11 @@ def test_a_capped_process_runs_the_lower_build():
 
 @pytest.mark.parametrize("variant, dtype", [
     ("amx", torch.bfloat16), ("avx512_bf16", torch.bfloat16), ("avx512", torch.float32),
-    ("avx2", torch.float32), ("x86_64", torch.float32),
+    ("avx2", torch.bfloat16), ("x86_64", torch.float32),
 ])
 def test_each_variant_runs_in_the_dtype_auto_picks_on_its_flags(variant, dtype):
-    # bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX), else float32.
+    # bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX) or AVX2 without AVX-512
+    # (the avx2 build's bf16 panels), else float32.
     assert isa_paths.auto_dtype(variant) == dtype
 
 

@@ -2,10 +2,11 @@
 count its register tiles split into (AVX2: 1-6 rows and every remainder past a tile of 6; AVX-512:
 1-12 and every remainder past a tile of 12), odd K, an odd number of panels (AVX-512 takes them two
 at a time), prefill-sized batches whose threads claim their work from a counter (700 rows), strided
-rows and biases; bf16 panels (AVX512-BF16 builds) against a float32 sum rounded
-once; bf16 k-pair panels (vdpbf16ps) likewise; the panel packing; refusals; linear() routing;
+rows and biases; bf16 panels (AVX512-BF16 builds and the avx2 build) against a float32 sum
+rounded once; bf16 k-pair panels (vdpbf16ps, or split by integer ops on AVX2) likewise; the panel packing; refusals; linear() routing;
 prepack_linears' panel copies; the calibration against oneDNN at load and of the two bf16 forms;
-an engine's tokens with the kernel on and off, float32, bf16 panels and bf16 pairs."""
+an engine's tokens with the kernel on and off, float32, bf16 panels and bf16 pairs, and bf16 where
+oneDNN has no bf16 GEMM (the panels then take every batch)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ from workers.distributed.parallel_state import SINGLE_RANK
 
 AVAILABLE = cpu_ops.load() and bool(cpu_ops.ops().panel_linear_available())
 BF16_AVAILABLE = AVAILABLE and bool(cpu_ops.ops().panel_linear_bf16_available())
-needs_bf16_panels = pytest.mark.skipif(not BF16_AVAILABLE or not can_prepack(torch.device("cpu"), torch.bfloat16),
-                                       reason="needs a kernel build with AVX512-BF16 (bf16 panels) and oneDNN's bf16 GEMM")
+needs_bf16_panels = pytest.mark.skipif(not BF16_AVAILABLE,
+                                       reason="needs a kernel build with bf16 panels (AVX512-BF16, or the avx2 build)")
+needs_bf16_onednn = pytest.mark.skipif(not BF16_AVAILABLE or not can_prepack(torch.device("cpu"), torch.bfloat16),
+                                       reason="needs bf16 panels and oneDNN's bf16 GEMM (AVX512-BF16 or AMX)")
 pytestmark = pytest.mark.skipif(not AVAILABLE or not can_prepack(torch.device("cpu"), torch.float32),
                                 reason="needs tpserve's CPU kernels built with AVX2 + FMA, and oneDNN")
 
@@ -226,7 +229,7 @@ class _OpsWithoutAmx:
         return (lambda: 0) if name == "amx_linear_max_rows" else getattr(self._ops, name)
 
 
-@needs_bf16_panels
+@needs_bf16_onednn
 def test_bf16_engines_without_amx_take_bf16_panels_and_keep_their_tokens(tmp_path, monkeypatch):
     """A bf16 engine on a CPU with AVX512-BF16 but no AMX (emulated: amx_linear_max_rows 0) gives
     its projections bf16 panel copies up to the calibrated limit (fixed at 16 rows here: decode
@@ -275,6 +278,37 @@ def test_bf16_engines_on_pair_panels_keep_their_tokens(tmp_path, monkeypatch):
 
 
 @needs_bf16_panels
+@pytest.mark.parametrize("pairs_win", [False, True])
+def test_bf16_engines_without_onednn_bf16_take_panels_for_every_batch(tmp_path, monkeypatch, pairs_win):
+    """Where oneDNN has no bf16 GEMM (AVX2 without AVX512-BF16; emulated here), a bf16 engine
+    gives every projection a panel copy of the form that wins at load (forced here), keeps no
+    oneDNN copy and no calibration against it runs, and greedy-decodes the tokens of an engine on
+    torch's F.linear."""
+    import workers.worker
+
+    real_ops = cpu_ops.ops()
+    monkeypatch.setattr(workers.worker.kernels, "ops", lambda: _OpsWithoutAmx(real_ops))
+    monkeypatch.setattr(workers.worker, "can_prepack", lambda device, dtype: dtype == torch.float32)
+    monkeypatch.setattr(workers.worker, "pair_panels_win", lambda shapes: pairs_win)
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("nothing to calibrate against")
+    monkeypatch.setattr(workers.worker, "calibrate_panel_rows", no_calibration)
+    path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=True)
+    prompts = {f"r{i}": (list(range(3 + i, 40 + 7 * i)), greedy(12)) for i in range(4)}
+    engines = [make_engine(path, dtype="bfloat16", cpu_small_batch_linear=on) for on in (False, True)]
+    plain = [m for m in engines[0].executor.worker.model.modules() if hasattr(m, "packed_weight")]
+    assert {(m.packed_weight, m.weight.numel() > 0) for m in plain} == {(None, True)}  # F.linear
+    layers = [m for m in engines[1].executor.worker.model.modules() if hasattr(m, "packed_weight")]
+    assert {m.small_batch_rows for m in layers} == {PANEL_ALL_ROWS}
+    assert {m.small_batch_weight.size(2) for m in layers} == {32 if pairs_win else 16}
+    assert {m.packed_weight is None for m in layers} == {True}
+    outputs = [run_engine(e, prompts) for e in engines]
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 12 for tokens in outputs[1].values())
+
+
+@needs_bf16_onednn
 def test_prepack_makes_pair_copies(tmp_path):
     path = make_tiny_llama(tmp_path / "m", num_layers=2, tie_word_embeddings=False)
     model = build_model(ModelConfig.from_pretrained(path), SINGLE_RANK, torch.bfloat16)
@@ -288,7 +322,7 @@ def test_prepack_makes_pair_copies(tmp_path):
     torch.testing.assert_close(layer(x), (x.float() @ down.float().t()).bfloat16())
 
 
-@needs_bf16_panels
+@needs_bf16_onednn
 def test_the_bf16_form_is_timed_once_per_set_of_shapes():
     shapes = ((64, 96), (32, 48))
     won = pair_panels_win(shapes)
@@ -351,7 +385,7 @@ def test_projection_kernels_bench_reports_both_kernels_per_row_count():
         assert row["onednn_over_panel_time"] > 0
 
 
-@needs_bf16_panels
+@needs_bf16_onednn
 def test_projection_kernels_bench_times_both_bf16_forms():
     from bench.kernels.projection_kernels import time_kernels
 

@@ -370,14 +370,14 @@ def test_bf16_kernel_windows_and_soft_caps_against_exact_attention(window, soft_
 def test_bf16_tiles_are_built_where_the_cpu_has_them():
     """The amx variant runs bf16 steps on AMX tiles, avx512_bf16 on vdpbf16ps register tiles; the
     others compile both away (bf16 widened to the float32 tiles). AMX routes bf16 prefill to the
-    kernel, avx512_bf16 where the load-time timing says it is faster, the others never
+    kernel, the others where the load-time timing says it is faster
     (workers/attention/cpu_prefill_choice.py prefill_kernel_serves)."""
     from workers.attention.cpu_prefill_choice import bf16_prefill_kernel_wins
 
     expected = {"amx": "amx", "avx512_bf16": "avx512_bf16"}.get(cpu_ops.loaded_variant(), "float32")
     assert cpu_ops.ops().prefill_attention_bf16_path() == expected
-    routed = {"amx": True, "avx512_bf16": expected == "avx512_bf16" and bf16_prefill_kernel_wins(8, 2, 64)}
-    assert prefill_kernel_serves(torch.bfloat16, (8, 2, 64)) == routed.get(expected, False)
+    routed = expected == "amx" or bf16_prefill_kernel_wins(8, 2, 64)
+    assert prefill_kernel_serves(torch.bfloat16, (8, 2, 64)) == routed
     assert prefill_kernel_serves(torch.float32)
     assert not prefill_kernel_serves(torch.float16)
 
@@ -392,15 +392,16 @@ class _OpsOnPath:
         return self.path
 
 
+@pytest.mark.parametrize("path", ["avx512_bf16", "float32"])
 @pytest.mark.parametrize("wins", [True, False])
-def test_avx512_bf16_builds_route_bf16_prefill_by_the_timing_at_load(monkeypatch, wins):
-    """On the avx512_bf16 path the route follows bf16_prefill_kernel_wins, asked at the rank's heads;
-    the amx path never asks."""
+def test_builds_without_amx_route_bf16_prefill_by_the_timing_at_load(monkeypatch, wins, path):
+    """On the vdpbf16ps path and the widened float32 one the route follows bf16_prefill_kernel_wins,
+    asked at the rank's heads; the amx path never asks."""
     import workers.attention.cpu_prefill_choice as choice
 
     asked = []
     monkeypatch.setattr(choice, "bf16_prefill_kernel_wins", lambda *heads: asked.append(heads) or wins)
-    monkeypatch.setattr(choice.cpu_ops, "ops", lambda: _OpsOnPath("avx512_bf16"))
+    monkeypatch.setattr(choice.cpu_ops, "ops", lambda: _OpsOnPath(path))
     assert prefill_kernel_serves(torch.bfloat16, (32, 8, 128)) == wins
     assert asked == [(32, 8, 128)]
     monkeypatch.setattr(choice.cpu_ops, "ops", lambda: _OpsOnPath("amx"))
@@ -408,7 +409,8 @@ def test_avx512_bf16_builds_route_bf16_prefill_by_the_timing_at_load(monkeypatch
     assert asked == [(32, 8, 128)]
 
 
-@pytest.mark.skipif(cpu_ops.loaded_variant() not in ("amx", "avx512_bf16"), reason="needs the kernels' bf16 tiles (AVX512-BF16)")
+@pytest.mark.skipif(cpu_ops.loaded_variant() in (None, "x86_64", "portable"),
+                    reason="needs a vector build of the kernels (AVX2 or better)")
 def test_the_load_time_probe_times_both_sides_once_per_shape(caplog):
     """The probe runs the kernel and the SDPA path on one prompt at the given heads, logs both times
     and answers once per shape (cached)."""

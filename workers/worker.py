@@ -14,7 +14,8 @@ import torch
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cpu import kernels
-from workers.cpu.linear import (LAYOUT_AMX, LAYOUT_PAIRS, LAYOUT_PANEL, LAYOUT_PLAIN, calibrate_panel_rows,
+from workers.cpu.linear import (LAYOUT_AMX, LAYOUT_PAIRS, LAYOUT_PANEL, LAYOUT_PLAIN, PANEL_ALL_ROWS,
+                                calibrate_panel_rows, needs_onednn,
                                 can_prepack, packable_in_sixteens, pair_panels_win, prepack_linears)
 from workers.runner.cuda_graph import CudaGraphRunner, make_graph_runner
 from workers.runner.kv_cache import (GiB, KVCacheSpec, allocate_kv_cache, gpu_kv_budget, kv_spec_for,
@@ -144,9 +145,10 @@ class WorkerCore:
             param_bytes = model.load_dummy_weights(cfg.dummy_seed)
         else:
             param_bytes = model.load_weights(cfg.model_path)
-        if cfg.cpu_prepack_linear and can_prepack(self.device, cfg.dtype):
+        if cfg.cpu_prepack_linear and self.device.type == "cpu":
             rows, layout = self._small_batch_rows(model)
-            prepack_linears(model, small_batch_rows=rows, layout=layout)
+            if can_prepack(self.device, cfg.dtype) or not needs_onednn(rows, layout):
+                prepack_linears(model, small_batch_rows=rows, layout=layout)
         model.build_layer_stack()
         if cfg.cpu_greedy_lm_head:
             model.build_greedy_lm_head()
@@ -187,11 +189,16 @@ class WorkerCore:
             if amx_rows and packable_in_sixteens(model):
                 return amx_rows, LAYOUT_AMX
             if shapes and ops.panel_linear_bf16_available() and packable_in_sixteens(model):
-                # vdpbf16ps pair panels where this CPU runs them faster than the widened ones.
+                # Pair panels where this CPU runs them faster than the widened ones.
                 pairs = packable_in_sixteens(model, pairs=True) and pair_panels_win(shapes)
+                layout = LAYOUT_PAIRS if pairs else LAYOUT_PANEL
+                if not can_prepack(self.device, torch.bfloat16):
+                    # No oneDNN bf16 GEMM here (AVX2 without AVX512-BF16): nothing to time the
+                    # panels against, and torch's own bf16 GEMM is slower still (linear.py).
+                    return PANEL_ALL_ROWS, layout
                 panel_rows = calibrate_panel_rows(shapes, torch.bfloat16, pairs)[0]
                 if panel_rows:
-                    return panel_rows, LAYOUT_PAIRS if pairs else LAYOUT_PANEL
+                    return panel_rows, layout
             return int(ops.skinny_linear_max_rows_bf16()), LAYOUT_PLAIN  # 0 without AVX512-BF16
         return 0, LAYOUT_PLAIN
 

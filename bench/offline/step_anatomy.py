@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=40, help="decode steps before timing (contexts grow)")
     p.add_argument("--timed-steps", type=int, default=10)
     p.add_argument("--rows", type=int, default=14, help="profiler table rows")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = p.parse_args(argv)
 
     from torch.profiler import ProfilerActivity, profile
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from deployments.engine.engine import LLMEngine
     from scheduler.sampling_params import SamplingParams
 
-    engine = LLMEngine(TpserveConfig(max_model_len=2048, max_num_seqs=max(64, args.requests + 1)))
+    engine = LLMEngine(TpserveConfig(max_model_len=2048, max_num_seqs=max(64, args.requests + 1), dtype=args.dtype))
     params = SamplingParams(max_tokens=2048 - args.prompt_len, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     for i in range(args.requests):

@@ -464,8 +464,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=math.inf)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="dtype of both servers; auto: what tpserve's auto picks on this CPU (bfloat16 with "
-                        "AVX512-BF16 or AMX, else float32), given to both as that dtype")
+                   help="dtype of every server; auto: what tpserve's auto picks on this CPU (bfloat16 with "
+                        "AVX512-BF16 or AMX, or AVX2 without AVX-512, else float32), given to all as that dtype")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64, help="both servers (tpserve's default)")
     p.add_argument("--max-duration", type=float, default=900, help="cap on each load run, seconds")

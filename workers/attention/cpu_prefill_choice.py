@@ -1,7 +1,8 @@
 """Which prefill attention a CPU rank runs: the CPU prefill kernel (workers/cpu/csrc/
 prefill_attention.cpp) or torch's SDPA (workers/attention/paged.py), per dtype, decided once at load
-(`prefill_kernel_serves`). Where the kernels' bf16 path is `avx512_bf16` (a CPU with AVX512-BF16
-but no AMX) the kernel's vdpbf16ps tiles and SDPA are timed against each other (`bf16_prefill_kernel_wins`).
+(`prefill_kernel_serves`). Where the kernels' bf16 path is not AMX (vdpbf16ps tiles on a CPU with
+AVX512-BF16, bf16 widened to the float32 tiles elsewhere) the kernel and SDPA are timed against each
+other (`bf16_prefill_kernel_wins`).
 
 Why timed: how fast each side runs depends on the CPU. On a 2-core AMD Zen 4 (vdpbf16ps at twice
 the FLOP rate of its 512-bit FMAs) the kernel ran 2.9-4.6x torch 2.13's CPU flash attention
@@ -46,17 +47,18 @@ def prefill_kernel_serves(dtype: torch.dtype, heads: tuple[int, int, int] = DEFA
     head_dim). float32: always (1.5-3x SDPA on a 2-core AMD EPYC, docs/cpu-kernels.md). bf16 on AMX
     tiles (the amx variant): always, measured faster than the gather + SDPA path at every case of
     bench/kernels/prefill_attention_kernel.py --dtype bfloat16 (1-6k-token prompts in 2,048-token
-    chunks, 8 x 256). bf16 on vdpbf16ps tiles (the avx512_bf16 variant, no AMX): where they are timed
-    faster at load (bf16_prefill_kernel_wins below; 2.9-4.6x SDPA on a Zen 4). The other variants
-    would widen bf16 to the float32 tiles, which lost to SDPA."""
+    chunks, 8 x 256). bf16 on vdpbf16ps tiles (the avx512_bf16 variant, no AMX), or widened to the
+    float32 tiles (the avx2 and avx512 variants): where they are timed faster at load
+    (bf16_prefill_kernel_wins below; vdpbf16ps 2.9-4.6x SDPA on a Zen 4, the avx2 build's float32
+    tiles 1.4-2.3x on a Zen 3, where an earlier measurement had found them slower)."""
     if dtype == torch.float32:
         return True
     if dtype != torch.bfloat16:
         return False
     path = cpu_ops.ops().prefill_attention_bf16_path()
-    if path == "avx512_bf16":
-        return bf16_prefill_kernel_wins(*heads)
-    return path == "amx"
+    if path == "amx":
+        return True
+    return bf16_prefill_kernel_wins(*heads)
 
 
 @functools.lru_cache(maxsize=None)

@@ -151,7 +151,7 @@ def pair_panels_win(shapes: tuple[tuple[int, int], ...]) -> bool:
     del weights
     xs = {k: torch.randn(PAIR_PROBE, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
     best = fastest_alternated({name: _panel_pass(panels, xs) for name, panels in forms.items()}, CALIBRATION_REPEATS)
-    logger.info("bf16 panels at %d rows over %d copies of %s: pairs (vdpbf16ps) %.2f ms, widened (FMA) %.2f ms",
+    logger.info("bf16 panels at %d rows over %d copies of %s: pairs %.2f ms, widened %.2f ms",
                 PAIR_PROBE, copies, list(shapes), 1e3 * best["pairs"], 1e3 * best["widened"])
     return best["pairs"] < best["widened"]
 
@@ -208,6 +208,11 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def needs_onednn(small_batch_rows: int, layout: str) -> bool:
+    """Whether some batch reaches oneDNN: all but where panel_linear takes every batch."""
+    return not (layout in (LAYOUT_PANEL, LAYOUT_PAIRS) and small_batch_rows == PANEL_ALL_ROWS)
+
+
 def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = LAYOUT_PLAIN) -> int:
     """Pack the weight of every layer that has a `packed_weight` slot (for oneDNN, unless
     panel_linear takes every batch); returns how many.
@@ -228,8 +233,7 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
     packable_ids = {id(m) for m in layers}
     shared = {p.data_ptr() for m in model.modules() if id(m) not in packable_ids
               for p in m.parameters(recurse=False)}
-    # panel_linear taking every batch leaves no batch for oneDNN: no copy for it.
-    onednn = not (layout in (LAYOUT_PANEL, LAYOUT_PAIRS) and small_batch_rows == PANEL_ALL_ROWS)
+    onednn = needs_onednn(small_batch_rows, layout)
     extra_bytes = 0
     for layer in layers:
         weight = layer.weight

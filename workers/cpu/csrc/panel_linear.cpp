@@ -24,7 +24,9 @@
 // bf16 on AVX512-BF16 builds: either the same panels of bf16 weights, widened to float32 as they
 // load (FMA tiles), or pair panels [N/16, K/2, 32] multiplied by vdpbf16ps without widening
 // (PairForm below: 1.9-2.3x the widened panels from 16 rows on a Zen 4); workers/cpu/linear.py
-// times the two at load.
+// times the two at load. On the avx2 build both forms too, as float32 FMAs on weights widened in
+// registers (the 256-bit tiles' FmaForm and PairForm), the sums rounded to bf16 in integer ops:
+// half the bytes of float32 weights per token where the weight stream sets the pace.
 //
 // AVX-512 builds (Intel since Skylake-SP, AMD Zen 4) take two panels at a time in 12 x 32 tiles of
 // zmm accumulators instead (tile512 below), on the same packed weights. Against the 256-bit tiles
@@ -41,6 +43,10 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -81,33 +87,74 @@ constexpr int64_t kClaimsPerThread = 8;
 // Rows per register tile: 6 x 2 accumulators + 2 weight vectors + 1 broadcast = 15 of 16 ymm.
 constexpr int kTileRows = 6;
 
+// How a 256-bit tile reads its panels. FmaForm: one k a step, float32 panels [N/16, K, 16] or
+// bf16 ones widened as they load (vpmovzxwd + a shift: exact, a bf16 value is a float32 with the
+// low 16 bits zero). PairForm: bf16 pair panels [N/16, K/2, 32], one k-pair a step; a 32-bit lane
+// holds (W[j][2i] low, W[j][2i + 1] high), so a shift left by 16 gives the even k's float32
+// weights and a mask of the high half the odd k's, both exact: two integer ops per 8 lanes feed
+// 2 x 6 FMAs, where the widened panels spend four (a widening and a shift per 8 lanes of each k).
+// x is float32 in both (bf16 x widened once by panel_linear): kXStep floats a step.
+struct FmaForm {
+  static constexpr int64_t kStep = kPanel, kXStep = 1;
+};
+struct PairForm {
+  static constexpr int64_t kStep = 2 * kPanel, kXStep = 2;
+};
+
+// Panels as they sit in memory: float32, or bf16 (as its bits) widened to float32 on load.
+// Aligned loads (panel_linear checks): measured 4-6% faster than unaligned ones for float32.
+inline __m256 load_w8(const float* p) { return _mm256_load_ps(p); }
+inline __m256 load_w8(const uint16_t* p) {
+  const __m128i bits = _mm_load_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+// Outputs: float32, or rounded once to bf16 as c10::BFloat16 rounds (vec.h's store8).
+inline void store_y8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store_y8(uint16_t* p, __m256 v) { tpserve::store8(reinterpret_cast<c10::BFloat16*>(p), v); }
+
 #define TPSERVE_ACC_DECL(i) __m256 acc##i##a = _mm256_setzero_ps(), acc##i##b = _mm256_setzero_ps();
-#define TPSERVE_ACC_FMA(i)                                          \
+#define TPSERVE_ACC_FMA(i, xk)                                      \
   if constexpr (R > i) {                                            \
-    const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + k);    \
+    const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + (xk)); \
     acc##i##a = _mm256_fmadd_ps(w0, xv, acc##i##a);                 \
     acc##i##b = _mm256_fmadd_ps(w1, xv, acc##i##b);                 \
   }
+#define TPSERVE_ACC_FMA_ALL(xk)                                                          \
+  TPSERVE_ACC_FMA(0, xk) TPSERVE_ACC_FMA(1, xk) TPSERVE_ACC_FMA(2, xk)                   \
+  TPSERVE_ACC_FMA(3, xk) TPSERVE_ACC_FMA(4, xk) TPSERVE_ACC_FMA(5, xk)
 #define TPSERVE_ACC_STORE(i)                                                            \
   if constexpr (R > i) {                                                                \
-    _mm256_storeu_ps(y + i * y_stride, _mm256_add_ps(acc##i##a, b0));                   \
-    _mm256_storeu_ps(y + i * y_stride + 8, _mm256_add_ps(acc##i##b, b1));               \
+    store_y8(y + i * y_stride, _mm256_add_ps(acc##i##a, b0));                           \
+    store_y8(y + i * y_stride + 8, _mm256_add_ps(acc##i##b, b1));                       \
   }
 
-// R x rows (x_stride apart) times one panel (K x 16) into y's 16 columns (y_stride apart), plus
-// bias (16 values, or null). `prefetch`: the next panel, one line of it per k, or null.
-template <int R>
-void tile(const float* x, int64_t x_stride, const float* panel, int64_t K, const float* bias, float* y,
-          int64_t y_stride, const float* prefetch) {
+// R x rows (x_stride apart) times one panel (`steps` steps of Form::kStep values) into y's 16
+// columns (y_stride apart), plus bias (16 values, or null). `prefetch`: the next panel, one line
+// of it per step, or null.
+template <typename Form, int R, typename W, typename Y>
+void tile(const float* x, int64_t x_stride, const W* panel, int64_t steps, const float* bias, Y* y,
+          int64_t y_stride, const W* prefetch) {
   TPSERVE_ACC_DECL(0) TPSERVE_ACC_DECL(1) TPSERVE_ACC_DECL(2)
   TPSERVE_ACC_DECL(3) TPSERVE_ACC_DECL(4) TPSERVE_ACC_DECL(5)
 #pragma GCC unroll 4
-  for (int64_t k = 0; k < K; ++k) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T1);
-    // Aligned loads (panel_linear checks): measured 4-6% faster here than unaligned ones.
-    const __m256 w0 = _mm256_load_ps(panel + k * kPanel), w1 = _mm256_load_ps(panel + k * kPanel + 8);
-    TPSERVE_ACC_FMA(0) TPSERVE_ACC_FMA(1) TPSERVE_ACC_FMA(2)
-    TPSERVE_ACC_FMA(3) TPSERVE_ACC_FMA(4) TPSERVE_ACC_FMA(5)
+  for (int64_t k = 0; k < steps; ++k) {
+    const W* p = panel + k * Form::kStep;
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * Form::kStep), _MM_HINT_T1);
+    if constexpr (std::is_same_v<Form, PairForm>) {
+      const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+      __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)), 16));
+      __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 16)), 16));
+      TPSERVE_ACC_FMA_ALL(2 * k)
+      // The odd half loads its lines again (L1 hits) rather than hold them in two more registers
+      // through the even half's FMAs: the barrier keeps GCC from reusing the first loads.
+      asm volatile("" ::: "memory");
+      w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)), high));
+      w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 16)), high));
+      TPSERVE_ACC_FMA_ALL(2 * k + 1)
+    } else {
+      const __m256 w0 = load_w8(p), w1 = load_w8(p + 8);
+      TPSERVE_ACC_FMA_ALL(k)
+    }
   }
   const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
@@ -117,38 +164,37 @@ void tile(const float* x, int64_t x_stride, const float* panel, int64_t K, const
 
 // All M rows against one panel: full tiles of kTileRows, then one tile of the rest. The first
 // tile prefetches the next panel.
-void panel_rows(int64_t M, const float* x, int64_t x_stride, const float* panel, int64_t K, const float* bias,
-                float* y, int64_t y_stride, const float* next_panel) {
+template <typename Form, typename W, typename Y>
+void panel_rows(int64_t M, const float* x, int64_t x_stride, const W* panel, int64_t steps, const float* bias,
+                Y* y, int64_t y_stride, const W* next_panel) {
   int64_t m = 0;
   for (; m + kTileRows <= M; m += kTileRows)
-    tile<kTileRows>(x + m * x_stride, x_stride, panel, K, bias, y + m * y_stride, y_stride,
-                    m == 0 ? next_panel : nullptr);
+    tile<Form, kTileRows>(x + m * x_stride, x_stride, panel, steps, bias, y + m * y_stride, y_stride,
+                          m == 0 ? next_panel : nullptr);
   const float* xm = x + m * x_stride;
-  float* ym = y + m * y_stride;
-  const float* pf = m == 0 ? next_panel : nullptr;
+  Y* ym = y + m * y_stride;
+  const W* pf = m == 0 ? next_panel : nullptr;
   switch (M - m) {
-    case 5: tile<5>(xm, x_stride, panel, K, bias, ym, y_stride, pf); break;
-    case 4: tile<4>(xm, x_stride, panel, K, bias, ym, y_stride, pf); break;
-    case 3: tile<3>(xm, x_stride, panel, K, bias, ym, y_stride, pf); break;
-    case 2: tile<2>(xm, x_stride, panel, K, bias, ym, y_stride, pf); break;
-    case 1: tile<1>(xm, x_stride, panel, K, bias, ym, y_stride, pf); break;
+    case 5: tile<Form, 5>(xm, x_stride, panel, steps, bias, ym, y_stride, pf); break;
+    case 4: tile<Form, 4>(xm, x_stride, panel, steps, bias, ym, y_stride, pf); break;
+    case 3: tile<Form, 3>(xm, x_stride, panel, steps, bias, ym, y_stride, pf); break;
+    case 2: tile<Form, 2>(xm, x_stride, panel, steps, bias, ym, y_stride, pf); break;
+    case 1: tile<Form, 1>(xm, x_stride, panel, steps, bias, ym, y_stride, pf); break;
     default: break;
   }
 }
 
-// The tile form panel_linear names: on these builds only the 256-bit FMA tiles above.
-struct FmaForm {};
-
 // One task's panels [begin, end) for `rows` rows of x (y: those rows' outputs, N apart).
-template <typename Form>
-void task_panels(int64_t rows, const float* x, int64_t x_stride, const float* wp, int64_t panel_size, int64_t K,
-                 const float* bias, float* y, int64_t N, int64_t begin, int64_t end) {
+template <typename Form, typename W, typename Y>
+void task_panels(int64_t rows, const float* x, int64_t x_stride, const W* wp, int64_t panel_size, int64_t steps,
+                 const float* bias, Y* y, int64_t N, int64_t begin, int64_t end) {
   for (int64_t p = begin; p < end; ++p)
-    panel_rows(rows, x, x_stride, wp + p * panel_size, K, bias ? bias + p * kPanel : nullptr, y + p * kPanel, N,
-               p + 1 < end ? wp + (p + 1) * panel_size : nullptr);
+    panel_rows<Form>(rows, x, x_stride, wp + p * panel_size, steps, bias ? bias + p * kPanel : nullptr,
+                     y + p * kPanel, N, p + 1 < end ? wp + (p + 1) * panel_size : nullptr);
 }
 #undef TPSERVE_ACC_DECL
 #undef TPSERVE_ACC_FMA
+#undef TPSERVE_ACC_FMA_ALL
 #undef TPSERVE_ACC_STORE
 #endif
 
@@ -356,10 +402,11 @@ at::Tensor panel_pack_weight(const at::Tensor& weight_in, bool pairs) {
   return out;
 }
 
-// Whether this build multiplies bf16 panels: AVX-512 with AVX512-BF16 (for its one rounding of
-// the float32 sums to bf16).
+// Whether this build multiplies bf16 panels: AVX-512 with AVX512-BF16 (vcvtneps2bf16 for the one
+// rounding of the float32 sums to bf16), or the 256-bit tiles of an AVX2 build (the rounding in
+// integer ops). Not the avx512 build without AVX512-BF16, whose 512-bit tiles have neither.
 bool panel_linear_bf16_available() {
-#if defined(TPSERVE_PANEL_BF16)
+#if defined(TPSERVE_PANEL_BF16) || (defined(TPSERVE_PANEL_AVX2) && !defined(TPSERVE_PANEL_AVX512))
   return true;
 #else
   return false;
@@ -382,12 +429,10 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   const int64_t packed_k = pairs ? 2 * packed.size(1) : packed.size(1);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == packed_k && x_in.scalar_type() == packed.scalar_type(),
               "panel_linear: x must be [M, K] with K = ", packed_k, " of the packed weight's dtype");
-  TORCH_CHECK(!bf16 || panel_linear_bf16_available(), "panel_linear: bfloat16 needs a build with AVX512-BF16");
+  TORCH_CHECK(!bf16 || panel_linear_bf16_available(),
+              "panel_linear: bfloat16 needs a build with AVX512-BF16, or the avx2 build");
 #if defined(TPSERVE_PANEL_AVX2)
-  // bf16 x on widened panels: widened once here (M x K, small next to the weights); float32 x, and
-  // bf16 x on pair panels: used in place.
-  const at::Tensor x = bf16 && !pairs ? x_in.to(at::kFloat).contiguous()
-                       : x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), N = panels * kPanel;
   at::Tensor b;
   const float* bias_ptr = nullptr;
@@ -398,7 +443,29 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   }
   at::Tensor y = at::empty({M, N}, x_in.options().memory_format(at::MemoryFormat::Contiguous));
   if (M == 0 || N == 0) return y;
-  const int64_t x_stride = x.stride(0), panel_size = K * kPanel;
+  // bf16 x: widened to float32 once (M x K, small next to the weights), except on pair panels of
+  // an AVX512-BF16 build, whose vdpbf16ps reads it as it is; float32 x: read in place. Widened
+  // into this thread's buffer by a plain loop: at::Tensor::to's dispatch cost ~8 us a call, 1 ms
+  // of a 1-request bf16 decode step's 13 on a 2-core Zen 3.
+#if defined(TPSERVE_PANEL_BF16)
+  const bool widen_x = bf16 && !pairs;
+#else
+  const bool widen_x = bf16;
+#endif
+  thread_local std::vector<float> widened;
+  int64_t x_stride = x.stride(0);
+  if (widen_x) {
+    widened.resize(M * K);
+    const auto* src = x.data_ptr<c10::BFloat16>();
+    for (int64_t m = 0; m < M; ++m) {
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(widened.data() + m * K + k, tpserve::load8(src + m * x_stride + k));
+      for (; k < K; ++k) widened[m * K + k] = tpserve::to_f(src[m * x_stride + k]);
+    }
+    x_stride = K;
+  }
+  const float* xf = widen_x ? widened.data() : bf16 ? nullptr : x.data_ptr<float>();
+  const int64_t panel_size = K * kPanel;
   // Each task owns whole panels and takes the rows in blocks of kRowBlock past all of them (from
   // kClaimRows rows: claims units of them from a counter); `k_steps`: the tiles' k loop count (K,
   // or K/2 pairs).
@@ -426,18 +493,23 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
       }
     });
   };
-#if defined(TPSERVE_PANEL_BF16)
+#if defined(TPSERVE_PANEL_BF16) || !defined(TPSERVE_PANEL_AVX512)
   if (bf16) {
     const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
     auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+#if defined(TPSERVE_PANEL_BF16)
+    const auto* pair_x = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+#else
+    const float* pair_x = xf;
+#endif
     if (pairs)
-      run(PairForm{}, reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), wp, yp, K / 2);
+      run(PairForm{}, pair_x, wp, yp, K / 2);
     else
-      run(FmaForm{}, x.data_ptr<float>(), wp, yp, K);
+      run(FmaForm{}, xf, wp, yp, K);
     return y;
   }
 #endif
-  run(FmaForm{}, x.data_ptr<float>(), packed.data_ptr<float>(), y.data_ptr<float>(), K);
+  run(FmaForm{}, xf, packed.data_ptr<float>(), y.data_ptr<float>(), K);
   return y;
 #else
   TORCH_CHECK(false, "panel_linear: built without AVX2 + FMA (panel_linear_available() is false)");
