@@ -393,3 +393,17 @@ def test_projection_kernels_bench_times_both_bf16_forms():
     row = out["5"]
     assert {"panel_linear", "pair_panels", "onednn"} <= set(row)
     assert row["pair_panels"]["gflops"] > 0 and row["onednn_over_pairs_time"] > 0
+
+
+@needs_bf16_panels
+def test_projection_kernels_bench_times_bf16_panels_against_float32_where_onednn_has_no_bf16(monkeypatch):
+    """On AVX2 (emulated: oneDNN's bf16 GEMM reported missing) the bench sets both bf16 forms
+    against float32 panels, the other dtype such a CPU serves, and asks nothing of oneDNN."""
+    import workers.cpu.linear
+    from bench.kernels.projection_kernels import time_kernels
+
+    monkeypatch.setattr(workers.cpu.linear, "can_prepack", lambda device, dtype: dtype == torch.float32)
+    row = time_kernels([3], layers=2, repeats=1, shapes=((256, 256), (128, 256)), dtype=torch.bfloat16)["3"]
+    assert "onednn" not in row
+    assert {"panel_linear", "pair_panels", "float32_panels"} <= set(row)
+    assert row["float32_panels_over_panel_time"] > 0 and row["float32_panels_over_pairs_time"] > 0

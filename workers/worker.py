@@ -180,7 +180,8 @@ class WorkerCore:
         ops = kernels.ops()
         shapes = tuple(tuple(m.weight.shape) for m in model.layers[0].modules() if hasattr(m, "packed_weight"))
         if cfg.dtype == torch.float32:
-            if not shapes or not ops.panel_linear_available() or not packable_in_sixteens(model):
+            if (not shapes or not ops.panel_linear_available() or not packable_in_sixteens(model)
+                    or not can_prepack(self.device, torch.float32)):  # the calibration times oneDNN
                 return 0, LAYOUT_PLAIN
             # How far it beats oneDNN depends on the CPU: timed once per process.
             return calibrate_panel_rows(shapes)[0], LAYOUT_PANEL
@@ -194,7 +195,7 @@ class WorkerCore:
                 layout = LAYOUT_PAIRS if pairs else LAYOUT_PANEL
                 if not can_prepack(self.device, torch.bfloat16):
                     # No oneDNN bf16 GEMM here (AVX2 without AVX512-BF16): nothing to time the
-                    # panels against, and torch's own bf16 GEMM is slower still (linear.py).
+                    # panels against, and torch's own bf16 GEMM is far slower (linear.py).
                     return PANEL_ALL_ROWS, layout
                 panel_rows = calibrate_panel_rows(shapes, torch.bfloat16, pairs)[0]
                 if panel_rows:

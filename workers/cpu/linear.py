@@ -40,6 +40,13 @@ kernels instead, on the layer's `small_batch_weight`, a copy of the weight laid 
   (64 MB, cache-cold, 2 threads) 298 / 401 / 435 GFLOP/s at 16 / 64 / 256 rows, against 155 / 184 /
   188 for the widened panels and 202 / 323 / 394 for oneDNN. Which form serves is timed at load
   (`pair_panels_win`), then its row limit against oneDNN as for the widened one.
+- bf16 on AVX2 without AVX-512 (AMD Zen 1-3): `panel_linear`'s 256-bit tiles on either form, float32
+  FMAs on weights widened in registers (k-pairs split by a shift and a mask), for every batch:
+  oneDNN has no bf16 GEMM there, and torch's F.linear in bf16 ran 9.4x slower than the panels at
+  256 rows (19 vs 182 GFLOP/s, 4 layers), 1.7x at 1 row. Against float32 panels on a 2-core Zen 3,
+  the default model's 30 layers cold (`bench.kernels.projection_kernels --dtype bfloat16`): 1 row
+  1.83-1.87x (9.3 vs 17.3 ms: half the bytes), 16 rows 1.17-1.21x, 64 rows even, 256 rows
+  0.93-0.97x (compute-bound: the widening costs FMA issue slots).
 """
 
 from __future__ import annotations
