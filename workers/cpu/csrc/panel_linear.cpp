@@ -145,9 +145,6 @@ void tile(const float* x, int64_t x_stride, const W* panel, int64_t steps, const
       __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)), 16));
       __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 16)), 16));
       TPSERVE_ACC_FMA_ALL(2 * k)
-      // The odd half loads its lines again (L1 hits) rather than hold them in two more registers
-      // through the even half's FMAs: the barrier keeps GCC from reusing the first loads.
-      asm volatile("" ::: "memory");
       w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)), high));
       w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 16)), high));
       TPSERVE_ACC_FMA_ALL(2 * k + 1)
