@@ -93,6 +93,20 @@ def test_fast_bf16_read_from_the_cpu_flags(tmp_path, flags, fast):
     assert runtime.cpu_has_fast_bf16(str(cpuinfo)) is fast
 
 
+def test_avx2_counts_as_fast_bf16_only_with_the_kernels(tmp_path, monkeypatch):
+    """AVX2's bf16 speed is the kernels' panels: with cpu_kernels off, auto stays float32."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
+    assert runtime.cpu_has_fast_bf16(str(cpuinfo), with_kernels=True)
+    assert not runtime.cpu_has_fast_bf16(str(cpuinfo), with_kernels=False)
+    monkeypatch.setattr(runtime, "cpu_flags", lambda *_: {"avx2", "fma"})
+    assert runtime.resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert runtime.resolve_dtype("auto", "cpu", "off") == torch.float32
+    amx = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}
+    monkeypatch.setattr(runtime, "cpu_flags", lambda *_: amx)
+    assert runtime.resolve_dtype("auto", "cpu", "off") == torch.bfloat16  # oneDNN's bf16 GEMM
+
+
 def test_no_cpuinfo_means_no_fast_bf16(tmp_path):
     assert runtime.cpu_has_fast_bf16(str(tmp_path / "missing")) is False
 
@@ -111,7 +125,7 @@ def test_cpuinfo_field_reads_the_first_cpus_line(tmp_path):
 
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_auto_dtype(monkeypatch, fast_bf16):
-    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda *_: fast_bf16)
     assert runtime.resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast_bf16 else torch.float32)
     assert runtime.resolve_dtype("auto", "cuda") == torch.bfloat16
     for name in ("float32", "bfloat16"):

@@ -43,7 +43,7 @@ def make_worker_config(config: TpserveConfig, model_config: ModelConfig, max_mod
     device = worker_device(config.tensor_parallel_size)
     return WorkerConfig(
         model_path=model_config.path,
-        dtype=resolve_dtype(config.dtype, device),
+        dtype=resolve_dtype(config.dtype, device, config.cpu_kernels),
         block_size=config.block_size,
         max_model_len=max_model_len,
         kv_cache_memory_gib=config.kv_cache_memory_gib,
@@ -69,7 +69,7 @@ def with_gpu_step_sizes(config: TpserveConfig, model_config: ModelConfig) -> Tps
     """On GPU, the step sizes the user left unset are derived from free memory and the model
     (workers/runtime.py); CPU keeps the configured values."""
     device = worker_device(config.tensor_parallel_size)
-    dtype_bytes = resolve_dtype(config.dtype, device).itemsize
+    dtype_bytes = resolve_dtype(config.dtype, device, config.cpu_kernels).itemsize
 
     def derive() -> StepSizes:
         import torch
