@@ -3,7 +3,8 @@ count its register tiles split into (AVX2: 1-6 rows and every remainder past a t
 1-12 and every remainder past a tile of 12), odd K, an odd number of panels (AVX-512 takes them two
 at a time), prefill-sized batches whose threads claim their work from a counter (700 rows), strided
 rows and biases; bf16 panels (AVX512-BF16 builds and the avx2 build) against a float32 sum
-rounded once; bf16 k-pair panels (vdpbf16ps, or split by integer ops on AVX2) likewise; the panel packing; refusals; linear() routing;
+rounded once; bf16 k-pair panels (vdpbf16ps, or split by integer ops on AVX2) likewise; the
+panel packing; refusals; linear() routing;
 prepack_linears' panel copies; the calibration against oneDNN at load and of the two bf16 forms;
 an engine's tokens with the kernel on and off, float32, bf16 panels and bf16 pairs, and bf16 where
 oneDNN has no bf16 GEMM (the panels then take every batch)."""
