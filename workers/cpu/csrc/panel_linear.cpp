@@ -444,7 +444,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   if (M == 0 || N == 0) return y;
   // bf16 x: widened to float32 once (M x K, small next to the weights), except on pair panels of
   // an AVX512-BF16 build, whose vdpbf16ps reads it as it is; float32 x: read in place. Widened
-  // into this thread's buffer by a plain loop: at::Tensor::to's dispatch cost ~8 us a call, 1 ms
+  // into this thread's buffer by vec.h's load_row: at::Tensor::to's dispatch cost ~8 us a call, 1 ms
   // of a 1-request bf16 decode step's 13 on a 2-core Zen 3.
 #if defined(TPSERVE_PANEL_BF16)
   const bool widen_x = bf16 && !pairs;
@@ -456,11 +456,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   if (widen_x) {
     widened.resize(M * K);
     const auto* src = x.data_ptr<c10::BFloat16>();
-    for (int64_t m = 0; m < M; ++m) {
-      int64_t k = 0;
-      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(widened.data() + m * K + k, tpserve::load8(src + m * x_stride + k));
-      for (; k < K; ++k) widened[m * K + k] = tpserve::to_f(src[m * x_stride + k]);
-    }
+    for (int64_t m = 0; m < M; ++m) tpserve::load_row(src + m * x_stride, widened.data() + m * K, K);
     x_stride = K;
   }
   const float* xf = widen_x ? widened.data() : bf16 ? nullptr : x.data_ptr<float>();

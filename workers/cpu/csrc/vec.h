@@ -44,11 +44,6 @@ inline T from_f(float x) { return static_cast<T>(x); }  // BFloat16: round to ne
 template <typename T>
 inline float round_to(float x) { return to_f(from_f<T>(x)); }
 
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
-}
-
 #if defined(__AVX512F__)
 
 
@@ -170,6 +165,17 @@ inline __m256 reduce8_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
   return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 #endif  // __AVX2__ && __FMA__
+
+// n values of a float32 or bf16 row as float32 (exact), 8 lanes at a time where AVX2 is built:
+// panel_linear widens each prefill chunk's bf16 x through it (512 rows x 1,536 a call).
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(TPSERVE_AVX2)
+  for (; i + 8 <= n; i += 8) store8(dst + i, load8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = to_f(src[i]);
+}
 
 // Element strides of a paged KV cache indexed [block, token in block, KV head, dim]: any layout
 // whose head rows are contiguous. On CPU the caches are head-major in memory ([block][head][token]
