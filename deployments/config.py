@@ -38,7 +38,7 @@ class TpserveConfig(BaseModel):
     # Seed of the dummy weights.
     dummy_seed: int = Field(default=0, ge=0)
     # Weights/activation dtype: "auto" = bfloat16 on GPU and on CPUs with AVX512-BF16/AMX or with AVX2 +
-    # FMA but no AVX-512 (workers/runtime.py cpu_has_fast_bf16), else float32.
+    # FMA but no AVX-512 where tpserve's bf16 kernels load (workers/runtime.py resolve_dtype), else float32.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Longest prompt + output in tokens; None = the model's max_position_embeddings.
     max_model_len: int | None = Field(default=None, gt=0)

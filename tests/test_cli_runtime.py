@@ -97,14 +97,45 @@ def test_avx2_counts_as_fast_bf16_only_with_the_kernels(tmp_path, monkeypatch):
     """AVX2's bf16 speed is the kernels' panels: with cpu_kernels off, auto stays float32."""
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
-    assert runtime.cpu_has_fast_bf16(str(cpuinfo), with_kernels=True)
-    assert not runtime.cpu_has_fast_bf16(str(cpuinfo), with_kernels=False)
+    assert runtime.cpu_has_fast_bf16(str(cpuinfo), bf16_panels=lambda: True)
+    assert not runtime.cpu_has_fast_bf16(str(cpuinfo), bf16_panels=lambda: False)
     monkeypatch.setattr(runtime, "cpu_flags", lambda *_: {"avx2", "fma"})
+    monkeypatch.setattr(runtime, "kernels_serve_bf16", lambda mode: mode != "off")
     assert runtime.resolve_dtype("auto", "cpu") == torch.bfloat16
     assert runtime.resolve_dtype("auto", "cpu", "off") == torch.float32
     amx = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}
     monkeypatch.setattr(runtime, "cpu_flags", lambda *_: amx)
     assert runtime.resolve_dtype("auto", "cpu", "off") == torch.bfloat16  # oneDNN's bf16 GEMM
+
+
+def test_native_bf16_never_asks_for_the_kernels(tmp_path):
+    """AVX512-BF16 / AMX serve bf16 through oneDNN: resolving auto there must not build kernels."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512_bf16\n")
+
+    def never():
+        raise AssertionError("bf16_panels asked on a CPU with native bf16")
+
+    assert runtime.cpu_has_fast_bf16(str(cpuinfo), bf16_panels=never)
+
+
+def test_kernels_that_fail_to_load_keep_auto_on_float32(monkeypatch, caplog):
+    """AVX2 with the kernels' build failing under cpu_kernels auto (no compiler, say): auto must not
+    pick bf16, whose GEMMs would then be torch's emulated ones; under "on" the failure is raised."""
+    from workers.cpu import kernels
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda *_: {"avx2", "fma"})
+    monkeypatch.setattr(kernels, "load", lambda mode="auto", max_variant=None: False)
+    with caplog.at_level("WARNING", logger=runtime.__name__):
+        assert runtime.resolve_dtype("auto", "cpu", "auto") == torch.float32
+    assert "dtype auto: float32" in caplog.text
+
+    def fail(mode="auto", max_variant=None):
+        raise kernels.KernelsUnavailable("cpu_kernels: on, but ... no compiler")
+
+    monkeypatch.setattr(kernels, "load", fail)
+    with pytest.raises(kernels.KernelsUnavailable):
+        runtime.resolve_dtype("auto", "cpu", "on")
 
 
 def test_no_cpuinfo_means_no_fast_bf16(tmp_path):

@@ -22,28 +22,46 @@ from workers.worker import WorkerConfig
 logger = logging.getLogger(__name__)
 
 
-def cpu_has_fast_bf16(cpuinfo_path: str = "/proc/cpuinfo", with_kernels: bool = True) -> bool:
+def cpu_has_fast_bf16(cpuinfo_path: str = "/proc/cpuinfo",
+                      bf16_panels: Callable[[], bool] = lambda: True) -> bool:
     """Whether bf16 serves faster than float32 on this CPU. AVX512-BF16 or AMX: bf16 matmuls run
     ~2x faster than fp32 (measured 0.63 vs 1.43 ms for a 32 x 576 x 3072 linear on a Xeon, one
     thread). AVX2 + FMA without AVX-512: the avx2 kernel build's bf16 panels, float32 FMAs on
     weights widened in registers, read half the bytes a token (a 2-core Zen 3, the default model in
     process: decode steps 1.65x / 1.24x / 1.19x float32's at 1 / 16 / 64 requests, prefill even).
-    Only `with_kernels` (cpu_kernels not off): torch's own bf16 GEMM there is emulated, ~9x slower.
-    Not AVX-512 without AVX512-BF16 (Skylake-SP to Ice Lake): its 512-bit build has no bf16 panels,
-    so bf16 would fall back to slower GEMMs there. No cpuinfo: False."""
+    There only where `bf16_panels()` says the panels serve (asked only on that path): torch's own
+    bf16 GEMM there is emulated, ~9x slower. Not AVX-512 without AVX512-BF16 (Skylake-SP to Ice
+    Lake): its 512-bit build has no bf16 panels, so bf16 would fall back to slower GEMMs there.
+    No cpuinfo: False."""
     flags = cpu_flags(cpuinfo_path)
-    avx2_panels = with_kernels and {"avx2", "fma"} <= flags and "avx512f" not in flags
-    return bool({"avx512_bf16", "amx_bf16"} & flags) or avx2_panels
+    if {"avx512_bf16", "amx_bf16"} & flags:
+        return True
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags and bf16_panels()
+
+
+def kernels_serve_bf16(cpu_kernels: str) -> bool:
+    """Whether tpserve's CPU kernels load in this process under the config's `cpu_kernels`
+    (building this CPU's variant if it is missing; a rank loads the same one) with bf16 panels.
+    A failed build under "auto" logs why and answers False; under "on" it raises
+    kernels.KernelsUnavailable, as the rank would."""
+    from workers.cpu import kernels
+
+    if kernels.load(cpu_kernels) and kernels.ops().panel_linear_bf16_available():
+        return True
+    if cpu_kernels != "off":
+        logger.warning("dtype auto: float32, since tpserve's bf16 CPU kernels did not load (torch's bf16 GEMM "
+                       "on this CPU is emulated)")
+    return False
 
 
 def resolve_dtype(name: str, device: str, cpu_kernels: str = "auto") -> torch.dtype:
     """"auto": bfloat16 on GPU and on CPUs where it serves faster than float32 (cpu_has_fast_bf16,
-    given the config's cpu_kernels), else float32. float16 is refused on CPU: its kernels and
-    oneDNN paths take float32 or bfloat16."""
+    with the kernels loaded under the config's cpu_kernels where that depends on them), else
+    float32. float16 is refused on CPU: its kernels and oneDNN paths take float32 or bfloat16."""
     if name == "float16" and device == "cpu":
         raise ValueError("dtype: float16 is not supported on CPU; use bfloat16, float32 or auto")
     if name == "auto":
-        fast_bf16 = device == "cuda" or cpu_has_fast_bf16("/proc/cpuinfo", cpu_kernels != "off")
+        fast_bf16 = device == "cuda" or cpu_has_fast_bf16("/proc/cpuinfo", lambda: kernels_serve_bf16(cpu_kernels))
         return torch.bfloat16 if fast_bf16 else torch.float32
     return getattr(torch, name)
 
