@@ -123,9 +123,8 @@ def check_tp_matches(model_path: str, tensor_parallel_size: int) -> None:
     tp1, _ = run_engine(model_path, prompts, 1)
     assert_same_tokens(tp1, reference, "TP=1 vs HF")
 
-    tp, _ = run_engine(model_path, prompts, tensor_parallel_size)
-    assert_same_tokens(tp, reference, f"TP={tensor_parallel_size} vs HF")
-
+    # Whole prompts in one step are covered by the preemption run below (the default budget), so
+    # the TP engine starts twice, not three times (each start loads the model on every rank).
     chunked, _ = run_engine(model_path, prompts, tensor_parallel_size, max_num_batched_tokens=CHUNK_BUDGET)
     assert_same_tokens(chunked, reference, f"TP={tensor_parallel_size} chunked prefill vs HF")
 
