@@ -78,3 +78,18 @@ def test_the_load_time_kernel_choices_reach_the_replica_s_log_too(loggers):
     assert stderr.getvalue().count("panel_linear takes every batches") == 1
     assert "not at INFO" not in stderr.getvalue()
     assert logging.getLogger("workers").propagate is False
+
+
+def test_a_tp_rank_s_kernel_choices_reach_its_stderr_with_its_rank(loggers):
+    """A TP rank is a Ray actor of its own, outside the replica: workers.* INFO lines there went
+    nowhere. route_rank_logs sends them to the actor's stderr (Ray's log file and the driver's
+    terminal), once each, naming the rank."""
+    from workers.executors.ray_worker import route_rank_logs
+
+    stderr = io.StringIO()
+    route_rank_logs(1, stderr)
+    route_rank_logs(1, stderr)
+    logging.getLogger("workers.cpu.linear").info("panel_linear takes %s batches", "every")
+    logging.getLogger("workers.cpu.linear").debug("not at INFO")
+    lines = stderr.getvalue().splitlines()
+    assert len(lines) == 1 and "tpserve rank 1 -- panel_linear takes every batches" in lines[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -45,6 +46,30 @@ logger = logging.getLogger(__name__)
 WORKER_IDLE_TIMEOUT_S = 365 * 24 * 3600.0
 # Forward times kept per rank for `take_forward_times` (benchmarks read the slowest rank's).
 _FORWARD_TIMES_KEPT = 4096
+# The model side's loggers, whose INFO lines say what this rank's process was timed to serve with.
+WORKERS_LOGGER = "workers"
+# Format of a rank's lines on its stderr, which Ray writes to the actor's log file and streams to
+# the driver (`tpserve serve`'s terminal); the rank tells apart lines that differ between ranks.
+RANK_LOG_FORMAT = "%(levelname)s %(asctime)s tpserve rank {rank} -- %(message)s"
+# Attribute marking the handler route_rank_logs added (so that a second call adds none).
+_RANK_HANDLER_MARK = "_tpserve_rank_handler"
+
+
+def route_rank_logs(rank: int, stream=None) -> logging.Logger:
+    """Send the `workers` loggers' INFO lines of this process to `stream` (default: stderr).
+    Why: nothing configures logging in a Ray actor, so Python's root logger dropped them, and each
+    rank times its own kernel choices at load (a busy neighbour can change them on one rank only).
+    Idempotent. Returns the `workers` logger."""
+    log = logging.getLogger(WORKERS_LOGGER)
+    if not any(getattr(h, _RANK_HANDLER_MARK, False) for h in log.handlers):
+        handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+        handler.setFormatter(logging.Formatter(RANK_LOG_FORMAT.format(rank=rank)))
+        setattr(handler, _RANK_HANDLER_MARK, True)
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        # Printed once by the handler above, not again by a root handler a host process may set.
+        log.propagate = False
+    return log
 
 
 class Worker:
@@ -55,6 +80,8 @@ class Worker:
         self.world_size = world_size
         self.config = config
         torch.set_num_threads(num_threads)
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            route_rank_logs(rank)  # in the rank's own actor process, not a driver building one to test
         # This rank's GPU among those visible to it (pin_device); None on CPU.
         self.local_rank: int | None = None
         self.core: WorkerCore | None = None
