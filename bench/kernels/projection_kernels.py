@@ -50,7 +50,8 @@ def time_kernels(rows: list[int], layers: int, repeats: int, shapes=DEFAULT_SHAP
     out = {}
     for m in rows:
         xs = {k: torch.randn(m, k).to(dtype) for k in set(in_features)}
-        xs32 = {k: x.float() for k, x in xs.items()}
+        # float32 copies of x only for the float32 panels of a bf16 run.
+        xs32 = {k: x.float() for k, x in xs.items()} if baseline == "float32_panels" and dtype != torch.float32 else xs
 
         def panel_pass(panels):
             x_of = xs32 if panels[0].dtype == torch.float32 else xs

@@ -345,6 +345,8 @@ def describe_workloads(model_dir: Path, workloads: dict[int, list], args) -> dic
     return {
         "model": model_dir.name, "input_len": [args.input_len_min, args.input_len_max],
         "output_len": args.output_len, "ignore_eos": True, "dtype": args.dtype,
+        # Extra `tpserve serve` flags (--tpserve-arg), which may override the dtype for tpserve alone.
+        "tpserve_args": list(args.tpserve_arg),
         "levels": {str(c): len(r) for c, r in workloads.items()},
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "seed": args.seed,
         "prompt_seeds": "seed + 1000 x streams + 1000000 x round: no level or round repeats another's prompts",
