@@ -26,10 +26,10 @@ import logging
 import sys
 from typing import TextIO
 
+from workers import WORKERS_LOGGER
+
 # The logger the engine and the HTTP app write their operator lines to.
 TPSERVE_LOGGER = "tpserve"
-# The model side's loggers (workers.*): their INFO lines are the load-time kernel choices.
-WORKERS_LOGGER = "workers"
 # Every logger routed here.
 ROUTED_LOGGERS = (TPSERVE_LOGGER, WORKERS_LOGGER)
 # The logger Ray Serve configures in each replica (its file, and stderr unless switched off).

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers import WORKERS_LOGGER
 from workers.distributed.control_channel import ERROR, STOP, ControlChannel, make_control_channel, make_control_store
 from workers.distributed.device_binding import bind_device, rank_device
 from workers.distributed.parallel_state import TPGroup, nccl_environment
@@ -46,8 +47,6 @@ logger = logging.getLogger(__name__)
 WORKER_IDLE_TIMEOUT_S = 365 * 24 * 3600.0
 # Forward times kept per rank for `take_forward_times` (benchmarks read the slowest rank's).
 _FORWARD_TIMES_KEPT = 4096
-# The model side's loggers, whose INFO lines say what this rank's process was timed to serve with.
-WORKERS_LOGGER = "workers"
 # Format of a rank's lines on its stderr, which Ray writes to the actor's log file and streams to
 # the driver (`tpserve serve`'s terminal); the rank tells apart lines that differ between ranks.
 RANK_LOG_FORMAT = "%(levelname)s %(asctime)s tpserve rank {rank} -- %(message)s"
