@@ -69,11 +69,11 @@ def with_gpu_step_sizes(config: TpserveConfig, model_config: ModelConfig) -> Tps
     """On GPU, the step sizes the user left unset are derived from free memory and the model
     (workers/runtime.py); CPU keeps the configured values."""
     device = worker_device(config.tensor_parallel_size)
-    dtype_bytes = resolve_dtype(config.dtype, device, config.cpu_kernels).itemsize
 
-    def derive() -> StepSizes:
+    def derive() -> StepSizes:  # called on GPU only: a CPU engine resolves its dtype once, for its workers
         import torch
 
+        dtype_bytes = resolve_dtype(config.dtype, device, config.cpu_kernels).itemsize
         free = torch.cuda.mem_get_info()[0] if config.tensor_parallel_size == 1 else None
         return gpu_step_defaults(free, model_config, dtype_bytes, config.tensor_parallel_size,
                                  config.gpu_memory_utilization)
