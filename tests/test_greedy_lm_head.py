@@ -24,6 +24,9 @@ pytestmark = requires_kernels
 
 PANELS = cpu_ops.load() and bool(cpu_ops.ops().panel_linear_available())
 PAIRS = PANELS and bool(cpu_ops.ops().panel_linear_bf16_available())
+# Where AMX is usable a bf16 engine keeps its LM head in amx_linear's tile order, which the greedy
+# head does not read (workers/worker.py picks that layout): it stays on the full head there.
+AMX = cpu_ops.load() and int(cpu_ops.ops().amx_linear_max_rows()) > 0
 needs_panels = pytest.mark.skipif(not PANELS, reason="panel_linear needs a kernel build with AVX2 + FMA")
 LAYOUTS = [pytest.param("pairs", marks=pytest.mark.skipif(not PAIRS, reason="k-pair panels need AVX512-BF16")),
            pytest.param("panel-f32", marks=needs_panels)]
@@ -193,7 +196,8 @@ def _spy(engine) -> list[int]:
     return answered
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.skipif(not PAIRS, reason="needs AVX512-BF16")),
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.skipif(
+                                       not PAIRS or AMX, reason="a bf16 head on k-pair panels: AVX512-BF16, no AMX")),
                                    pytest.param("float32", marks=needs_panels)])
 def test_engine_tokens_are_the_same_with_it_on_and_off(tmp_path, dtype):
     path = make_tiny_llama(tmp_path / "m", num_layers=2)
@@ -211,7 +215,13 @@ def test_engine_tokens_are_the_same_with_it_on_and_off(tmp_path, dtype):
     assert sum(1 for a in answered if a) >= 20
 
 
-@pytest.mark.skipif(not PAIRS, reason="needs AVX512-BF16")
+@pytest.mark.skipif(not AMX, reason="AMX usable (the bf16 head in tile order)")
+def test_a_bf16_engine_on_amx_keeps_the_full_head(tmp_path):
+    engine = make_engine(make_tiny_llama(tmp_path / "m", num_layers=2), dtype="bfloat16")
+    assert engine.executor.worker.model.greedy_lm_head is None
+
+
+@pytest.mark.skipif(not PAIRS or AMX, reason="a bf16 head on k-pair panels: AVX512-BF16, no AMX")
 def test_requests_that_read_more_than_the_argmax_take_the_full_head(tmp_path):
     path = make_tiny_llama(tmp_path / "m", num_layers=2)
     engine = make_engine(path, dtype="bfloat16")
