@@ -16,6 +16,7 @@
 // contiguous, so each task streams one run of memory.
 //
 // Loop: x is packed per call into A-tile order (pack_rows), so its tiles stream from L1/L2.
+// - 1-2 rows: no tiles; vdpbf16ps over the same packed weights (vector_rows_linear).
 // - Up to 16 rows: per 16 output columns (one n block) one C tile (tmm0) accumulates while each B
 //   tile (tmm6) is loaded once: the weight stream is the whole cost.
 // - More rows: two n blocks at a time (n_pair), two 16-row blocks per pass, four C tiles (tmm0-3),
@@ -35,6 +36,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <immintrin.h>
@@ -140,6 +142,65 @@ void n_block(const char* a, int64_t kb_stride, const char* b, int64_t k_blocks) 
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// The most rows of x that take vector_rows_linear instead of the tiles. Measured on the 2-core
+// Xeon (2026-12-07, the default model's 30 layers of projections and LM head, packed on 2 MB
+// pages, cold, the two builds alternated in their own processes, three runs each): 1 row 9.3-9.5
+// ms against 9.9-10.4 on the tiles, 2 rows 9.1-10.5 against 9.7-10.1; 3 and 4 rows 11.2-11.9
+// against 9.6-10.0 (two or more vdpbf16ps per weight vector cost more than a tile's product
+// there). A decode step of one request, in process: 10.7-11.0 ms against 11.4-11.8.
+constexpr int64_t kVectorRows = 2;
+
+// M rows (1 or 2) of one n block's 16 outputs, from its packed B tiles with vdpbf16ps instead of
+// the tile unit: each 64-byte row of a B tile holds one pair of K for the block's 16 columns,
+// which is the operand vdpbf16ps multiplies against a broadcast pair of x. Why: at one or two
+// rows a tile product does 16x the arithmetic the rows need, and its loads stream the weights
+// more slowly than vector loads do. xp: each row's K pairs zero-padded to the packed K (row m at
+// xp + m * pairs). Four accumulators per row, for the instruction's latency; the same prefetches
+// as the tiles' (prefetch_b), which the stream needs here too.
+template <int M>
+void n_block_vector(const uint32_t* xp, int64_t pairs, const char* b, int64_t k_blocks, float* out) {
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < k_blocks; ++kb, b += 1024) {
+    prefetch_b(b);
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; ++p) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(b + p * 64);
+#pragma GCC unroll 2
+      for (int m = 0; m < M; ++m)
+        acc[m][p % 4] = _mm512_dpbf16_ps(acc[m][p % 4], w, (__m512bh)_mm512_set1_epi32(xp[m * pairs + kb * 16 + p]));
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    _mm512_storeu_ps(out + m * kTileN,
+                     _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+}
+
+// y [M, N] = x W^T + bias for M <= kVectorRows (x's rows contiguous), the n blocks split between
+// the threads; each sum rounded once to bf16 after the bias, as store_c does.
+void vector_rows_linear(const at::Tensor& x, const char* wp, int64_t nbs, int64_t kbs, const float* bias,
+                        c10::BFloat16* y) {
+  const int64_t M = x.size(0), K = x.size(1), N = nbs * kTileN, pairs = kbs * kTileK / 2;
+  std::vector<uint32_t> xpairs(M * pairs, 0u);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(xpairs.data() + m * pairs, x.data_ptr<c10::BFloat16>() + m * x.stride(0), K * 2);
+  at::parallel_for(0, nbs, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kVectorRows * kTileN];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const char* bt = wp + nb * kbs * 1024;
+      if (M == 1) n_block_vector<1>(xpairs.data(), pairs, bt, kbs, sums);
+      else n_block_vector<2>(xpairs.data(), pairs, bt, kbs, sums);
+      const __m512 bv = bias ? _mm512_loadu_ps(bias + nb * kTileN) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < M; ++m) {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + m * kTileN), bv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + nb * kTileN), h);
+      }
+    }
+  });
+}
+#endif
 
 // Two n blocks (b0: columns n0..n0+15, b1: the next 16) for RB (1 or 2) row blocks of x: C tiles
 // 0 / 1 hold the row blocks' sums for b0, 2 / 3 for b1. Only the first pass over a pair streams
@@ -272,6 +333,13 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const c1
   TORCH_CHECK(amx_usable(), "amx_linear: the OS did not grant this process the AMX tile state");
   if (M == 0 || N == 0) return y;
   TORCH_CHECK(x_in.stride(1) == 1, "amx_linear: x's rows must be contiguous");
+#if defined(__AVX512BF16__)
+  if (M <= kVectorRows) {
+    vector_rows_linear(x_in, reinterpret_cast<const char*>(packed.data_ptr<c10::BFloat16>()), nbs, kbs,
+                       b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<c10::BFloat16>());
+    return y;
+  }
+#endif
   const int64_t row_blocks = round_up(M, kTileRows) / kTileRows;
   const at::Tensor xt = pack_rows(x_in, row_blocks, kbs);
   const char* ap = reinterpret_cast<const char*>(xt.data_ptr<c10::BFloat16>());
