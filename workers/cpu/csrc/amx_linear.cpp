@@ -146,10 +146,11 @@ void n_block(const char* a, int64_t kb_stride, const char* b, int64_t k_blocks) 
 #if defined(__AVX512BF16__)
 // The most rows of x that take vector_rows_linear instead of the tiles. Measured on the 2-core
 // Xeon (2026-12-07, the default model's 30 layers of projections and LM head, packed on 2 MB
-// pages, cold, the two builds alternated in their own processes, three runs each): 1 row 9.3-9.5
-// ms against 9.9-10.4 on the tiles, 2 rows 9.1-10.5 against 9.7-10.1; 3 and 4 rows 11.2-11.9
-// against 9.6-10.0 (two or more vdpbf16ps per weight vector cost more than a tile's product
-// there). A decode step of one request, in process: 10.7-11.0 ms against 11.4-11.8.
+// pages, cold, the two builds alternated in their own processes, three runs each): 1 row 8.7-9.0
+// ms against 9.5-10.1 on the tiles, 2 rows 8.8-10.0 against 9.3-9.7 (3 rows, on the tiles in
+// both builds, 9.4-9.5 in both); a decode step of one request, in process, 9.8-10.6 ms against
+// 10.7-11.1. At 3 and 4 rows this path took 11.2-11.9 ms against 9.6-10.0 (two or more
+// vdpbf16ps per weight vector cost more than a tile's product there).
 constexpr int64_t kVectorRows = 2;
 
 // M rows (1 or 2) of one n block's 16 outputs, from its packed B tiles with vdpbf16ps instead of
