@@ -1,11 +1,13 @@
 """The greedy LM head (workers/model/greedy_lm_head.py, workers/cpu/csrc/int8_logits.cpp): its int8
-estimates stay within the bound it assumes of float64 logits computed independently; its token
-is the full head's argmax (first index on ties) on random and adversarial rows (exact ties,
-near-ties below bf16's resolution, large and tiny hidden states), bf16 k-pair panels and float32
-panels, 1-2 rows; it declines what it cannot answer (more rows, non-finite hidden states, a wide
-candidate set); and an engine's greedy tokens are the same with it on and off, while requests
-that read more than the argmax (logprobs, penalties, min_tokens, sampling) never reach it; and
-SmolLM2's greedy tokens through it, at 1 and 2 rows a step, equal Hugging Face transformers'."""
+estimates stay within the bound it assumes of float64 logits computed independently; every head
+layout unpacks to its weight; its token is the full head's argmax (first index on ties) on random
+and adversarial rows (exact ties, near-ties below bf16's resolution, large and tiny hidden
+states), bf16 k-pair panels, float32 panels and (where AMX is usable) AMX tiles, 1-2 rows; it
+declines what it cannot answer (more rows, non-finite hidden states, a wide candidate set); an
+engine's greedy tokens are the same with it on and off, in bf16 on every CPU with a bf16
+small-batch kernel (k-pair panels or AMX tiles), while requests that read more than the argmax
+(logprobs, penalties, min_tokens, sampling) never reach it; and SmolLM2's greedy tokens through
+it, at 1 and 2 rows a step, equal Hugging Face transformers'."""
 
 from __future__ import annotations
 
@@ -24,35 +26,49 @@ pytestmark = requires_kernels
 
 PANELS = cpu_ops.load() and bool(cpu_ops.ops().panel_linear_available())
 PAIRS = PANELS and bool(cpu_ops.ops().panel_linear_bf16_available())
-# Where AMX is usable a bf16 engine keeps its LM head in amx_linear's tile order, which the greedy
-# head does not read (workers/worker.py picks that layout): it stays on the full head there.
+# Where AMX is usable a bf16 engine keeps its LM head in amx_linear's tile order (workers/worker.py
+# picks that layout), and the greedy head reads its n blocks of 16 rows as panels.
 AMX = cpu_ops.load() and int(cpu_ops.ops().amx_linear_max_rows()) > 0
 needs_panels = pytest.mark.skipif(not PANELS, reason="panel_linear needs a kernel build with AVX2 + FMA")
 LAYOUTS = [pytest.param("pairs", marks=pytest.mark.skipif(not PAIRS, reason="k-pair panels need AVX512-BF16")),
-           pytest.param("panel-f32", marks=needs_panels)]
+           pytest.param("panel-f32", marks=needs_panels),
+           pytest.param("tiles", marks=pytest.mark.skipif(not AMX, reason="amx_linear needs AMX"))]
 
 
 def _pack(weight: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "tiles":
+        return torch.ops.tpserve_cpu.amx_pack_weight(weight)
     return torch.ops.tpserve_cpu.panel_pack_weight(weight, layout == "pairs")
 
 
 def _head(n: int = 2048, k: int = 576, layout: str = "pairs", seed: int = 0) -> tuple[torch.Tensor, GreedyLmHead]:
     gen = torch.Generator().manual_seed(seed)
-    dtype = torch.bfloat16 if layout == "pairs" else torch.float32
+    dtype = torch.float32 if layout == "panel-f32" else torch.bfloat16
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
-    return weight, GreedyLmHead(_pack(weight, layout), vocab_size=n)
+    return weight, GreedyLmHead(_pack(weight, layout), vocab_size=n, features=k)
+
+
+def _full_logits(head: GreedyLmHead, hidden: torch.Tensor) -> torch.Tensor:
+    """The engine's full path: the head's kernel (picked by its layout) over every vocabulary row."""
+    return torch.ops.tpserve_cpu.small_batch_linear(hidden, head.packed, None)[:, : head.vocab_size]
 
 
 def _full_argmax(head: GreedyLmHead, hidden: torch.Tensor) -> list[int]:
-    """What the engine's full path picks: the head's kernel over every row, the first maximum."""
-    logits = torch.ops.tpserve_cpu.panel_linear(hidden, head.packed, None)[:, : head.vocab_size]
-    return logits.float().argmax(dim=1).tolist()
+    """What the engine's full path picks: the first maximum of the full logits."""
+    return _full_logits(head, hidden).float().argmax(dim=1).tolist()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# Packing needs no AMX (amx_pack_weight is plain C++ in every build), so the tile layout's unpacking
+# is checked everywhere, with a K that is not a multiple of the tiles' 32 (zero-padded, cut off).
+@pytest.mark.parametrize("layout", [*LAYOUTS[:2], "tiles"])
 def test_panels_unpack_to_the_weight(layout):
-    weight, head = _head(n=64, k=96, layout=layout)
-    assert torch.equal(unpack_panels(head.packed), weight)
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(64, 80, generator=gen) * 0.05).to(torch.float32 if layout == "panel-f32" else torch.bfloat16)
+    packed = _pack(weight, layout)
+    assert torch.equal(unpack_panels(packed, 80), weight)
+    # The int8 copy is the weight's, without the tiles' padding columns.
+    head = GreedyLmHead(packed, vocab_size=64, features=80)
+    assert torch.equal(head.rows.row_major(), quantize_rows(weight).row_major())
 
 
 def test_estimates_stay_within_their_bounds_of_float64_logits():
@@ -152,9 +168,8 @@ def test_padding_rows_past_the_vocabulary_never_win(layout):
     hidden = torch.randn(1, 576, generator=gen).to(weight.dtype)
     weight[4090] = (hidden[0].float() * 0.1).to(weight.dtype)  # the largest logit, but padding
     head = GreedyLmHead(_pack(weight, layout), vocab_size=4000)
-    logits = torch.ops.tpserve_cpu.panel_linear(hidden, head.packed, None)[:, :4000]
     tokens = head.argmax(hidden)
-    assert tokens == logits.float().argmax(dim=1).tolist() and tokens[0] < 4000
+    assert tokens == _full_argmax(head, hidden) and tokens[0] < 4000
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -196,8 +211,13 @@ def _spy(engine) -> list[int]:
     return answered
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.skipif(
-                                       not PAIRS or AMX, reason="a bf16 head on k-pair panels: AVX512-BF16, no AMX")),
+# A bf16 engine's head has 16-row panels where it runs a bf16 small-batch kernel: k-pair panels
+# (AVX512-BF16) or AMX tiles.
+BF16_PANELS = PAIRS or AMX
+needs_bf16_panels = pytest.mark.skipif(not BF16_PANELS, reason="a bf16 head on k-pair panels or AMX tiles")
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16_panels),
                                    pytest.param("float32", marks=needs_panels)])
 def test_engine_tokens_are_the_same_with_it_on_and_off(tmp_path, dtype):
     path = make_tiny_llama(tmp_path / "m", num_layers=2)
@@ -216,12 +236,13 @@ def test_engine_tokens_are_the_same_with_it_on_and_off(tmp_path, dtype):
 
 
 @pytest.mark.skipif(not AMX, reason="AMX usable (the bf16 head in tile order)")
-def test_a_bf16_engine_on_amx_keeps_the_full_head(tmp_path):
+def test_a_bf16_engine_on_amx_reads_its_tile_order_head(tmp_path):
     engine = make_engine(make_tiny_llama(tmp_path / "m", num_layers=2), dtype="bfloat16")
-    assert engine.executor.worker.model.greedy_lm_head is None
+    head = engine.executor.worker.model.greedy_lm_head
+    assert head is not None and head.packed.dim() == 4
 
 
-@pytest.mark.skipif(not PAIRS or AMX, reason="a bf16 head on k-pair panels: AVX512-BF16, no AMX")
+@needs_bf16_panels
 def test_requests_that_read_more_than_the_argmax_take_the_full_head(tmp_path):
     path = make_tiny_llama(tmp_path / "m", num_layers=2)
     engine = make_engine(path, dtype="bfloat16")

@@ -101,11 +101,12 @@ class DecoderForCausalLM(nn.Module):
 
     def build_greedy_lm_head(self) -> bool:
         """Keep an int8 copy of the LM head for greedy batches of a few rows (after prepacking: it
-        reads the head's panels). Not with a final logit soft cap, whose tanh could round two
-        logits to one. Returns whether it does."""
+        reads the head's panels or AMX tiles). Not with a final logit soft cap, whose tanh could
+        round two logits to one. Returns whether it does."""
         if self.backend.name != "cpu_kernels" or self.cfg.final_logit_softcap is not None:
             return False
-        self.greedy_lm_head = GreedyLmHead.build(self.lm_head, self.cfg.vocab_size, self.tp.world_size)
+        self.greedy_lm_head = GreedyLmHead.build(self.lm_head, self.cfg.vocab_size, self.cfg.hidden_size,
+                                                 self.tp.world_size)
         if self.greedy_lm_head is not None:
             logger.info("greedy LM head: an int8 copy (%.1f MB) answers greedy batches of up to %d rows first",
                         self.greedy_lm_head.nbytes / 1e6, self.greedy_lm_head.max_rows)

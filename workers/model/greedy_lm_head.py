@@ -9,9 +9,10 @@ processing reads only the argmax of its logits. So for batches of up to `MAX_ROW
    (workers/cpu/csrc/int8_logits.cpp; x stays float32).
 2. The vocabulary rows whose upper bound reaches the best lower bound, less a margin for the
    final rounding of the logits, are the only ones that can be the argmax. Their 16-row panels
-   are computed exactly by the LM head's own kernel (`panel_linear` on the same packed panels:
-   each output depends only on its row of weights and x, so the values are the full head's, bit
-   for bit), and the argmax over them, first index on ties, is the full head's argmax.
+   are computed exactly by the LM head's own kernel on the same packed weight (`panel_linear` on
+   its panels, or `amx_linear` on its AMX tiles, whose n blocks are 16 rows too: each output
+   depends only on its row of weights and x, so the values are the full head's, bit for bit),
+   and the argmax over them, first index on ties, is the full head's argmax.
 
 On the default model's greedy replies the candidates were 4 rows at the median, 39 at p99 and 66
 at most of 327 tokens checked (the first pass bounds every logit within ~1 of its value). More
@@ -32,8 +33,11 @@ logger = logging.getLogger(__name__)
 # Rows one pass takes (int8_logits.cpp's limit): past two, widening the int8 weights and their
 # FMAs cost as much as the full bf16 head (Zen 4, in an engine: 4 rows 1.07x its step time).
 MAX_ROWS = 2
-# Output features per panel of panel_linear's layouts.
+# Output features per panel of panel_linear's layouts, and per n block of amx_linear's tiles.
 PANEL_ROWS = 16
+# K per AMX tile (amx_linear's layout [N/16, ceil(K/32), 16, 32]: each 32-element tile row holds
+# one pair of K for each of the block's 16 rows).
+TILE_K = 32
 # Candidate panels past which the exact pass costs more than it saves (1/8 of the head).
 MAX_PANEL_SHARE = 8
 # The final logits are rounded to bf16 at most (8 significant bits): two values within 2^-7 of
@@ -41,12 +45,21 @@ MAX_PANEL_SHARE = 8
 ROUNDING_MARGIN = 2.0**-6
 
 
-def unpack_panels(packed: torch.Tensor) -> torch.Tensor:
-    """The [N, K] weight back from panel_linear's panels: [N/16, K, 16], or k-pairs [N/16, K/2, 32]."""
-    if packed.size(2) == PANEL_ROWS:
-        return packed.permute(0, 2, 1).reshape(-1, packed.size(1))
-    groups, pairs = packed.size(0), packed.size(1)
-    return packed.view(groups, pairs, PANEL_ROWS, 2).permute(0, 2, 1, 3).reshape(groups * PANEL_ROWS, 2 * pairs)
+def unpack_panels(packed: torch.Tensor, features: int | None = None) -> torch.Tensor:
+    """The [N, K] weight back from a head's small-batch weight: panel_linear's panels [N/16, K, 16]
+    or k-pairs [N/16, K/2, 32], or amx_linear's tiles [N/16, ceil(K/32), 16, 32], whose K is
+    zero-padded to a multiple of 32 (`features`: the real K, needed for tiles whose K is padded)."""
+    groups = packed.size(0)
+    if packed.dim() == 4:  # packed[b, kb, p, 2c + e] = W[16b + c, 32kb + 2p + e]
+        blocks = packed.size(1)
+        weight = packed.view(groups, blocks, TILE_K // 2, PANEL_ROWS, 2).permute(0, 3, 1, 2, 4)
+        weight = weight.reshape(groups * PANEL_ROWS, blocks * TILE_K)
+    elif packed.size(2) == PANEL_ROWS:
+        weight = packed.permute(0, 2, 1).reshape(-1, packed.size(1))
+    else:
+        pairs = packed.size(1)
+        weight = packed.view(groups, pairs, PANEL_ROWS, 2).permute(0, 2, 1, 3).reshape(groups * PANEL_ROWS, 2 * pairs)
+    return weight if features is None else weight[:, :features]
 
 
 # Weight rows per group of the int8 copy (int8_logits.cpp's layout: one step of its pass reads
@@ -83,13 +96,14 @@ def quantize_rows(weight: torch.Tensor, chunk: int = 4096) -> Int8Rows:
 
 
 class GreedyLmHead:
-    """The int8 copy of an LM head on panel_linear's panels, and the two-pass argmax."""
+    """The int8 copy of an LM head kept on panel_linear's panels or amx_linear's tiles, and the
+    two-pass argmax."""
 
-    def __init__(self, packed: torch.Tensor, vocab_size: int) -> None:
-        weight = unpack_panels(packed)
+    def __init__(self, packed: torch.Tensor, vocab_size: int, features: int | None = None) -> None:
+        weight = unpack_panels(packed, features)
         if not bool(torch.isfinite(weight).all()):
             raise ValueError("the LM head has non-finite weights")
-        # The head's panels as its kernel reads them; the exact pass gathers from them.
+        # The head's panels (or tiles) as its kernel reads them; the exact pass gathers from them.
         self.packed = packed
         # Vocabulary rows past this are padding (not logits).
         self.vocab_size = vocab_size
@@ -106,16 +120,17 @@ class GreedyLmHead:
         self.max_rows = MAX_ROWS
 
     @staticmethod
-    def build(lm_head: torch.nn.Module, vocab_size: int, world_size: int) -> GreedyLmHead | None:
+    def build(lm_head: torch.nn.Module, vocab_size: int, hidden_size: int, world_size: int) -> GreedyLmHead | None:
         """The greedy head for `lm_head`, or None where it cannot serve: tensor parallelism (the
-        logits are gathered across ranks), a head not on panel_linear's panels for every batch of
-        up to MAX_ROWS rows, or the kernels not loaded."""
+        logits are gathered across ranks), a head not on panel_linear's panels or amx_linear's
+        tiles for every batch of up to MAX_ROWS rows (a plain weight has no 16-row panels to pick
+        from), or the kernels not loaded."""
         packed = getattr(lm_head, "small_batch_weight", None)
-        if (world_size != 1 or packed is None or packed.dim() != 3 or lm_head.small_batch_rows < MAX_ROWS
+        if (world_size != 1 or packed is None or packed.dim() not in (3, 4) or lm_head.small_batch_rows < MAX_ROWS
                 or kernels.loaded_variant() is None):
             return None
         try:
-            return GreedyLmHead(packed, vocab_size)
+            return GreedyLmHead(packed, vocab_size, hidden_size)
         except ValueError as exc:
             logger.info("greedy LM head off: %s", exc)
             return None

@@ -1,6 +1,8 @@
 // The greedy LM head's first pass (workers/model/greedy_lm_head.py): every logit estimated from an
 // int8 copy of the head (W[n] ~ scales[n] * q[n], one scale per vocabulary row) with a bound on
-// its error, and the 16-row panels whose rows can still hold the argmax.
+// its error, and the 16-row panels whose rows can still hold the argmax (a panel: 16 vocabulary
+// rows of the head's small-batch weight, a panel of panel_linear's or an n block of amx_linear's
+// tiles).
 //
 // Why: a one-row decode step of the default model reads 269 MB of bf16 weights, 56.6 MB of them
 // the LM head, and a greedy request reads only the argmax of its logits. This pass reads the
@@ -11,7 +13,7 @@
 //
 //   int8_logit_estimates(x, q, scales, slack) -> (estimates, bounds), both [M, N]
 //   int8_greedy_tokens(x, q, scales, packed, slack, margin, limit)
-//       -> each row's greedy token over the full head's panels `packed` (empty: more than
+//       -> each row's greedy token over the full head's small-batch weight `packed` (empty: more than
 //          `limit` candidate panels, or a non-finite x; the caller runs the full head)
 //
 // Each int8 weight is widened to float32 exactly and multiplied by x in float32 (FMAs), one scale
@@ -48,7 +50,7 @@ using namespace tpserve;
 // the full head's bf16 tiles, which share each weight among the rows (Zen 4, in an engine: 4
 // rows took 1.07x the full head's step).
 constexpr int64_t kMaxRows = 2;
-// Output features per panel of panel_linear's layouts.
+// Output features per panel of panel_linear's layouts, and per n block of amx_linear's tiles.
 constexpr int64_t kPanelRows = 16;
 // Weight rows per group of the int8 copy, [ceil(N / 64), K, 64]: one step of k reads one 64-byte
 // line of a group, the 64 rows' weights of that column.
@@ -231,28 +233,31 @@ std::vector<int64_t> candidate_panels(const Pass& p, const at::Tensor& q, const 
   return panels;
 }
 
-// Each row of x's greedy token over the full head `packed` (panel_linear's panels; its first N
-// rows are the vocabulary, the rest padding): the candidate panels' logits computed exactly by
-// panel_linear on a copy of those panels (each output depends only on its row of weights and x,
-// so the values are the full head's, bit for bit), then their argmax in vocabulary order with
-// torch's rule (the first maximum; a NaN beats every number). Empty where the int8 pass does
-// not answer: the caller runs the full head.
+// Each row of x's greedy token over the full head `packed` (its small-batch weight: panel_linear's
+// panels [N/16, K, 16] or k-pairs [N/16, K/2, 32], or amx_linear's tiles [N/16, K/32, 16, 32];
+// its first N rows are the vocabulary, the rest padding): the candidate panels' logits computed
+// exactly by the head's own kernel (small_batch_linear, which picks it by that layout) on a copy
+// of those panels. Each output depends only on its row of weights and x, in an order that does
+// not depend on which other panels are there, so the values are the full head's, bit for bit.
+// Then their argmax in vocabulary order with torch's rule (the first maximum; a NaN beats every
+// number). Empty where the int8 pass does not answer: the caller runs the full head.
 at::Tensor int8_greedy_tokens(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                               const at::Tensor& packed, double slack, double margin, int64_t limit) {
   const Pass p = prepare(x, q, scales, slack);
-  TORCH_CHECK(packed.dim() == 3 && packed.size(0) * kPanelRows >= p.N,
-              "int8_greedy_tokens: packed must be the head's panels, at least N rows");
+  TORCH_CHECK((packed.dim() == 3 || packed.dim() == 4) && packed.size(0) * kPanelRows >= p.N,
+              "int8_greedy_tokens: packed must be the head's small-batch weight in 16-row panels or AMX tiles, "
+              "at least N rows");
   const std::vector<int64_t> panels = candidate_panels(p, q, scales, margin, limit);
   if (panels.empty()) return at::empty({0}, at::TensorOptions().dtype(at::kLong));
-  static const auto panel_linear =
+  static const auto small_batch_linear =
       c10::Dispatcher::singleton()
-          .findSchemaOrThrow("tpserve_cpu::panel_linear", "")
+          .findSchemaOrThrow("tpserve_cpu::small_batch_linear", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
   const int64_t count = static_cast<int64_t>(panels.size());
   at::Tensor ids = at::empty({count}, at::TensorOptions().dtype(at::kLong));
   std::copy(panels.begin(), panels.end(), ids.data_ptr<int64_t>());
   const at::Tensor exact =
-      panel_linear.call(x.contiguous(), packed.index_select(0, ids), std::nullopt).to(at::kFloat).contiguous();
+      small_batch_linear.call(x.contiguous(), packed.index_select(0, ids), std::nullopt).to(at::kFloat).contiguous();
   const float* logits = exact.data_ptr<float>();
   const int64_t width = count * kPanelRows;
   at::Tensor tokens = at::empty({p.M}, at::TensorOptions().dtype(at::kLong));
