@@ -188,6 +188,41 @@ def test_it_declines_what_it_cannot_answer(layout, monkeypatch):
     assert head.argmax(x[:1]) is None
 
 
+@pytest.fixture
+def reference_amx_linear():
+    """amx_linear's product computed from its tile-order weight unpacked (float64 sums, each
+    output from its own row of weights only, rounded once to x's dtype), registered over the
+    kernel's CPU entry for one test: where AMX is missing, the tile layout's path through the
+    greedy head (the int8 copy unpacked from tiles, small_batch_linear's pick by layout, the
+    candidate n blocks gathered from the tiles) still runs end to end."""
+    lib = torch.library.Library("tpserve_cpu", "IMPL")
+
+    def amx_linear(x, packed, bias):
+        weight = unpack_panels(packed, x.size(1)).double()
+        y = (x.double().unsqueeze(1) * weight.unsqueeze(0)).sum(-1)
+        return (y if bias is None else y + bias.double()).to(x.dtype)
+
+    lib.impl("amx_linear", amx_linear, "CPU")
+    yield
+    lib._destroy()
+
+
+@pytest.mark.skipif(AMX, reason="where AMX is usable the tiles cases above run the real kernel")
+@pytest.mark.parametrize("rows", [1, 2])
+def test_tile_order_heads_answer_through_the_layout_pick(reference_amx_linear, rows):
+    weight, _ = _head(n=4096, layout="tiles", seed=20 + rows)
+    head = GreedyLmHead(_pack(weight, "tiles"), vocab_size=4000, features=576)  # 96 padding rows
+    gen = torch.Generator().manual_seed(30 + rows)
+    answered = 0
+    for trial in range(12):
+        hidden = (torch.randn(rows, 576, generator=gen) * (0.1, 1.0, 10.0)[trial % 3]).to(torch.bfloat16)
+        tokens = head.argmax(hidden)
+        if tokens is not None:
+            answered += 1
+            assert tokens == _full_argmax(head, hidden) and max(tokens) < 4000
+    assert answered >= 10
+
+
 def test_no_head_over_non_finite_weights():
     weight = torch.randn(64, 32)
     weight[3, 3] = float("inf")
