@@ -91,12 +91,25 @@ def test_load_against_fake_server(fake_server):
     for metric in ("ttft", "tpot", "itl", "e2e"):
         for stat in ("mean", "median", "p99"):
             assert f"{stat}_{metric}_ms" in out
+    assert out["p99_itl_ms"] <= out["p999_itl_ms"] <= out["max_itl_ms"]
     # Times come from chunk arrival: TTFT ~150 ms, each gap ~40 ms, e2e ~150 + 4*40 ms.
     assert TTFT_S * 1000 * 0.9 <= out["median_ttft_ms"] < 1500
     assert GAP_S * 1000 * 0.9 <= out["median_itl_ms"] < 400
     assert GAP_S * 1000 * 0.9 <= out["median_tpot_ms"] < 400
     assert (TTFT_S + 4 * GAP_S) * 1000 * 0.9 <= out["median_e2e_ms"] < 3000
     assert out["output_token_throughput"] == pytest.approx(30 / out["duration_s"])
+
+
+def test_the_itl_tail_past_p99_tells_rare_long_stalls_from_many_short_ones():
+    """1,000 gaps each: five 1 s stalls among 40 ms steps hide under p99 (40 ms) but not under
+    p99.9 or the max; fifty 150 ms steps show at p99 already and stop there."""
+    rare = [0.04] * 995 + [1.0] * 5
+    many = [0.04] * 950 + [0.15] * 50
+    assert serve_load.percentile([g * 1000 for g in rare], 99) == pytest.approx(40)
+    assert serve_load.itl_tail(rare) == {"p999_itl_ms": pytest.approx(1000), "max_itl_ms": pytest.approx(1000)}
+    assert serve_load.percentile([g * 1000 for g in many], 99) == pytest.approx(150)
+    assert serve_load.itl_tail(many) == {"p999_itl_ms": pytest.approx(150), "max_itl_ms": pytest.approx(150)}
+    assert serve_load.itl_tail([]) == {"p999_itl_ms": 0.0, "max_itl_ms": 0.0}
 
 
 def test_goodput_counts_requests_within_both_service_levels(fake_server):

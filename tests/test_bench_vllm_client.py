@@ -109,13 +109,15 @@ def test_saved_result_maps_onto_serve_loads_keys():
            "total_token_throughput": 474.0, "mean_ttft_ms": 120.0, "median_ttft_ms": 110.0, "p50_ttft_ms": 110.0,
            "p99_ttft_ms": 400.0, "std_ttft_ms": 9.0, "median_tpot_ms": 30.0, "p99_tpot_ms": 50.0,
            "median_itl_ms": 29.0, "p99_itl_ms": 80.0, "median_e2el_ms": 4000.0, "max_concurrency": 16,
-           "errors": ["", "", "timeout", "timeout"], "itls": [[0.1]], "generated_texts": ["x"]}
+           "errors": ["", "", "timeout", "timeout"], "itls": [[0.1, 0.03], [], [2.0]], "generated_texts": ["x"]}
     out = vllm_bench_client.parse_result(raw)
     assert out["client"] == "vllm bench serve" and out["completed"] == 30 and out["failed"] == 2
     assert out["output_token_throughput"] == 384.0 and out["request_goodput"] == 2.5 and out["duration_s"] == 10.0
     assert out["median_ttft_ms"] == 110.0 and out["p50_ttft_ms"] == 110.0 and out["p99_itl_ms"] == 80.0
     assert out["median_e2e_ms"] == 4000.0 and "median_e2el_ms" not in out
     assert out["errors"] == ["timeout"] and "itls" not in out and "std_ttft_ms" not in out
+    # The gaps past p99, from every request's gaps (seconds) in the detailed result.
+    assert out["max_itl_ms"] == pytest.approx(2000) and 100 < out["p999_itl_ms"] <= 2000
 
 
 # Stands in for vLLM's benchmark module: answers like `vllm bench serve --save-result` (every prompt
