@@ -30,9 +30,9 @@ PAIRS = PANELS and bool(cpu_ops.ops().panel_linear_bf16_available())
 # picks that layout), and the greedy head reads its n blocks of 16 rows as panels.
 AMX = cpu_ops.load() and int(cpu_ops.ops().amx_linear_max_rows()) > 0
 needs_panels = pytest.mark.skipif(not PANELS, reason="panel_linear needs a kernel build with AVX2 + FMA")
-LAYOUTS = [pytest.param("pairs", marks=pytest.mark.skipif(not PAIRS, reason="k-pair panels need AVX512-BF16")),
-           pytest.param("panel-f32", marks=needs_panels),
-           pytest.param("tiles", marks=pytest.mark.skipif(not AMX, reason="amx_linear needs AMX"))]
+PANEL_LAYOUTS = [pytest.param("pairs", marks=pytest.mark.skipif(not PAIRS, reason="k-pair panels need AVX512-BF16")),
+                 pytest.param("panel-f32", marks=needs_panels)]
+LAYOUTS = [*PANEL_LAYOUTS, pytest.param("tiles", marks=pytest.mark.skipif(not AMX, reason="amx_linear needs AMX"))]
 
 
 def _pack(weight: torch.Tensor, layout: str) -> torch.Tensor:
@@ -48,19 +48,16 @@ def _head(n: int = 2048, k: int = 576, layout: str = "pairs", seed: int = 0) -> 
     return weight, GreedyLmHead(_pack(weight, layout), vocab_size=n, features=k)
 
 
-def _full_logits(head: GreedyLmHead, hidden: torch.Tensor) -> torch.Tensor:
-    """The engine's full path: the head's kernel (picked by its layout) over every vocabulary row."""
-    return torch.ops.tpserve_cpu.small_batch_linear(hidden, head.packed, None)[:, : head.vocab_size]
-
-
 def _full_argmax(head: GreedyLmHead, hidden: torch.Tensor) -> list[int]:
-    """What the engine's full path picks: the first maximum of the full logits."""
-    return _full_logits(head, hidden).float().argmax(dim=1).tolist()
+    """What the engine's full path picks: the head's kernel (picked by its layout) over every
+    vocabulary row, the first maximum."""
+    logits = torch.ops.tpserve_cpu.small_batch_linear(hidden, head.packed, None)[:, : head.vocab_size]
+    return logits.float().argmax(dim=1).tolist()
 
 
 # Packing needs no AMX (amx_pack_weight is plain C++ in every build), so the tile layout's unpacking
 # is checked everywhere, with a K that is not a multiple of the tiles' 32 (zero-padded, cut off).
-@pytest.mark.parametrize("layout", [*LAYOUTS[:2], "tiles"])
+@pytest.mark.parametrize("layout", [*PANEL_LAYOUTS, "tiles"])
 def test_panels_unpack_to_the_weight(layout):
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(64, 80, generator=gen) * 0.05).to(torch.float32 if layout == "panel-f32" else torch.bfloat16)
