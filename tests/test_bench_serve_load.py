@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import math
 import time
 from contextlib import redirect_stdout
@@ -24,6 +25,10 @@ from bench import workload
 from bench.online import serve_load
 from bench.online.serve_load import LoadConfig, run_load
 from bench.workload import BenchRequest
+from engine_helpers import make_engine
+from kernel_requirements import requires_kernels
+from model_fixtures import make_tiny_llama
+from workers.cpu import kernels as cpu_ops
 
 TTFT_S = 0.15  # the fake server waits this long before the first chunk
 GAP_S = 0.04  # and this long between later chunks
@@ -268,3 +273,24 @@ def test_a_results_file_records_the_replica_s_load_time_kernel_choices(tmp_path)
         "greedy LM head: an int8 copy (28.5 MB) answers greedy batches of up to 2 rows first",
     ]
     assert load_time_choices(tmp_path / "missing.log") == []
+
+
+@requires_kernels
+def test_the_choices_an_engine_logs_at_load_are_the_ones_collected(tmp_path, caplog):
+    """The real log sites, not hand-written lines: a tiny engine built on the CPU kernels logs its
+    panel and greedy-head choices under workers.load_choices' openings, and a replica log holding
+    everything it logged gives back exactly those lines."""
+    from bench.online.serve_compare import load_time_choices
+    from workers import load_choices
+
+    with caplog.at_level(logging.INFO, logger="workers"):
+        make_engine(make_tiny_llama(tmp_path / "m", num_layers=2))
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("workers")]
+    log = tmp_path / "tpserve.log"
+    log.write_text("\n".join(f"(ServeReplica:tpserve:tpserve pid=1) INFO 2026-12-07 00:00:00,000 tpserve -- {m}"
+                             for m in messages))
+    collected = load_time_choices(log)
+    assert [m for m in collected if m.startswith(load_choices.GREEDY_HEAD + ": an int8 copy")]
+    if cpu_ops.ops().panel_linear_available():
+        assert [m for m in collected if m.startswith(load_choices.PANEL_ROWS)]
+    assert collected == [m for m in messages if m.startswith(load_choices.OPENINGS)]

@@ -68,6 +68,7 @@ from bench.online.weight_read_floor import floor_report, model_weight_reads, wei
 from bench.peers import llamacpp_peer, vllm_peer
 from bench.peers.managed_server import ManagedServer, launch
 from bench.workload import load_tokenizer, random_requests
+from workers import load_choices
 from workers.cpu.kernels import cpuinfo_field
 from workers.distributed.ports import free_port
 
@@ -159,15 +160,11 @@ def load_level_with_floor(base_url: str, concurrency: int, requests: list, args,
     return result
 
 
-# How the lines a tpserve replica logs at load about what this CPU was timed to serve with begin
-# (workers.* loggers, routed to the server's log by deployments/replica_logging.py).
-LOAD_TIME_CHOICE_PREFIXES = ("tpserve CPU kernels:", "bf16 panels at", "panel_linear takes", "greedy LM head",
-                             "CPU layer stack off", "bf16 prefill attention through")
-
-
 def load_time_choices(log_path: Path) -> list[str]:
     """The server log's load-time kernel choices, message text only, in order (none for a peer):
-    they are timed per process, so a results file records which ones served its figures."""
+    they are timed per process, so a results file records which ones served its figures. A
+    choice's line opens with one of workers.load_choices.OPENINGS (workers.* loggers, routed to
+    the server's log by deployments/replica_logging.py)."""
     try:
         text = Path(log_path).read_text(errors="replace")
     except OSError:
@@ -175,7 +172,7 @@ def load_time_choices(log_path: Path) -> list[str]:
     choices = []
     for line in text.splitlines():
         message = line.split(" -- ", 1)[-1].strip()
-        if message.startswith(LOAD_TIME_CHOICE_PREFIXES):
+        if message.startswith(load_choices.OPENINGS):
             choices.append(message)
     return choices
 

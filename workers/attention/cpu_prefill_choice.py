@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from workers import load_choices
 from workers.attention.paged import AttentionMetadata, PrefillChunk, _sdpa_prefills
 from workers.cpu import kernels as cpu_ops
 from workers.cpu.timing import fastest_alternated
@@ -92,7 +93,7 @@ def bf16_prefill_kernel_wins(heads: int, kv_heads: int, head_dim: int) -> bool:
 
     best = fastest_alternated({"kernel": kernel, "sdpa": sdpa}, PROBE_REPEATS)
     wins = best["kernel"] < best["sdpa"]
-    logger.info("bf16 prefill attention through %s (timed at load: a %d-token prompt, %d / %d heads of %d: "
+    logger.info(load_choices.PREFILL_ATTENTION + " %s (timed at load: a %d-token prompt, %d / %d heads of %d: "
                 "kernel %.2f ms, SDPA %.2f ms)", "tpserve's kernel" if wins else "SDPA", n, heads, kv_heads,
                 head_dim, 1e3 * best["kernel"], 1e3 * best["sdpa"])
     return wins

@@ -54,6 +54,8 @@ from pathlib import Path
 
 import torch
 
+from workers import load_choices
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -129,7 +131,7 @@ def load(mode: str = "auto", max_variant: str | None = None) -> bool:
         if _loaded is None and _failure is None:
             try:
                 _loaded = _build_and_load(wanted or host_variant())
-                logger.info("tpserve CPU kernels: %s build", _loaded.name)
+                logger.info(load_choices.KERNEL_BUILD + " %s build", _loaded.name)
             except Exception as exc:  # noqa: BLE001 - reported below, by mode
                 # A compiler's message can run to pages: its end says what failed.
                 _failure = str(exc)[-2000:]

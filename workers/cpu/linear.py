@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers import load_choices
 from workers.cpu import huge_pages
 from workers.cpu.timing import fastest_alternated
 
@@ -158,7 +159,7 @@ def pair_panels_win(shapes: tuple[tuple[int, int], ...]) -> bool:
     del weights
     xs = {k: torch.randn(PAIR_PROBE, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
     best = fastest_alternated({name: _panel_pass(panels, xs) for name, panels in forms.items()}, CALIBRATION_REPEATS)
-    logger.info("bf16 panels at %d rows over %d copies of %s: pairs %.2f ms, widened %.2f ms",
+    logger.info(load_choices.PANEL_FORM + " %d rows over %d copies of %s: pairs %.2f ms, widened %.2f ms",
                 PAIR_PROBE, copies, list(shapes), 1e3 * best["pairs"], 1e3 * best["widened"])
     return best["pairs"] < best["widened"]
 
@@ -198,7 +199,7 @@ def calibrate_panel_rows(shapes: tuple[tuple[int, int], ...], dtype: torch.dtype
         if not faster[probe]:
             break  # the limit is known; larger probes would only cost load time
     rows = choose_panel_rows(faster)
-    logger.info("panel_linear takes %s%s batches of %s, oneDNN %s (timed at load over %d copies of %s, rows: "
+    logger.info(load_choices.PANEL_ROWS + " %s%s batches of %s, oneDNN %s (timed at load over %d copies of %s, rows: "
                 "panel / oneDNN ms: %s)", str(dtype).removeprefix("torch."), " pair-panel" if pairs else "",
                 "every size" if rows == PANEL_ALL_ROWS else f"up to {rows} rows",
                 "none" if rows == PANEL_ALL_ROWS else "the rest", copies, list(shapes),
@@ -269,7 +270,7 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
         logger.info("kept a copy of each projection weight beside the packed one for %s (%s): %.0f MiB more",
                     rows, kernel, extra_bytes / 2**20)
     elif not onednn:
-        logger.info("panel_linear takes every batch: its panel copies replace the projection weights, no oneDNN copy")
+        logger.info(load_choices.PANEL_ROWS + " every batch: its panel copies replace the projection weights, no oneDNN copy")
     return len(layers)
 
 

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from workers import load_choices
 from workers.attention.paged import AttentionMetadata
 from workers.model.backend import TORCH, TorchBackend
 from workers.model.cpu_layer_stack import CpuLayerStack, unsupported_reason
@@ -94,7 +95,7 @@ class DecoderForCausalLM(nn.Module):
             return False
         reason = unsupported_reason(self.layers, self.backend.name, self.tp.world_size)
         if reason is not None:
-            logger.info("CPU layer stack off: %s", reason)
+            logger.info(load_choices.LAYER_STACK_OFF + ": %s", reason)
             return False
         self.layer_stack = CpuLayerStack(self.layers, self.backend.name, self.tp.world_size)
         return True
@@ -108,7 +109,7 @@ class DecoderForCausalLM(nn.Module):
         self.greedy_lm_head = GreedyLmHead.build(self.lm_head, self.cfg.vocab_size, self.cfg.hidden_size,
                                                  self.tp.world_size)
         if self.greedy_lm_head is not None:
-            logger.info("greedy LM head: an int8 copy (%.1f MB) answers greedy batches of up to %d rows first",
+            logger.info(load_choices.GREEDY_HEAD + ": an int8 copy (%.1f MB) answers greedy batches of up to %d rows first",
                         self.greedy_lm_head.nbytes / 1e6, self.greedy_lm_head.max_rows)
         return self.greedy_lm_head is not None
 

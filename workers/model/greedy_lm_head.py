@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers import load_choices
 from workers.cpu import kernels
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class GreedyLmHead:
         try:
             return GreedyLmHead(packed, vocab_size, hidden_size)
         except ValueError as exc:
-            logger.info("greedy LM head off: %s", exc)
+            logger.info(load_choices.GREEDY_HEAD + " off: %s", exc)
             return None
 
     @property
