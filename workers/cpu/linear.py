@@ -270,7 +270,8 @@ def prepack_linears(model: nn.Module, small_batch_rows: int = 0, layout: str = L
         logger.info("kept a copy of each projection weight beside the packed one for %s (%s): %.0f MiB more",
                     rows, kernel, extra_bytes / 2**20)
     elif not onednn:
-        logger.info(load_choices.PANEL_ROWS + " every batch: its panel copies replace the projection weights, no oneDNN copy")
+        logger.info(load_choices.PANEL_ROWS + " every batch: its panel copies replace the projection weights, "
+                    "no oneDNN copy")
     return len(layers)
 
 

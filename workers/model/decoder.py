@@ -109,8 +109,8 @@ class DecoderForCausalLM(nn.Module):
         self.greedy_lm_head = GreedyLmHead.build(self.lm_head, self.cfg.vocab_size, self.cfg.hidden_size,
                                                  self.tp.world_size)
         if self.greedy_lm_head is not None:
-            logger.info(load_choices.GREEDY_HEAD + ": an int8 copy (%.1f MB) answers greedy batches of up to %d rows first",
-                        self.greedy_lm_head.nbytes / 1e6, self.greedy_lm_head.max_rows)
+            logger.info(load_choices.GREEDY_HEAD + ": an int8 copy (%.1f MB) answers greedy batches of up to "
+                        "%d rows first", self.greedy_lm_head.nbytes / 1e6, self.greedy_lm_head.max_rows)
         return self.greedy_lm_head is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
