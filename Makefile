@@ -89,6 +89,7 @@ bench-tp:
 bench-kernels: install
 	$(PY) -m bench.kernels.projection_kernels
 	$(PY) -m bench.kernels.prefill_attention_kernel
+	$(PY) -m bench.kernels.greedy_head_pass
 
 # Every kernel variant this CPU runs (the library, torch and oneDNN capped to it) against its own
 # bound: read bandwidth and the build's peak_probe (docs/cpu-kernels.md).

@@ -11,6 +11,8 @@ it, at 1 and 2 rows a step, equal Hugging Face transformers'."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -68,18 +70,19 @@ def test_panels_unpack_to_the_weight(layout):
     assert torch.equal(head.rows.row_major(), quantize_rows(weight).row_major())
 
 
-def test_estimates_stay_within_their_bounds_of_float64_logits():
+@pytest.mark.parametrize("features", [576, 575])  # an odd K: the copy's last column pair is half padding
+def test_estimates_stay_within_their_bounds_of_float64_logits(features):
     gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(3000, 576, generator=gen, dtype=torch.float64) * 0.05
+    weight = torch.randn(3000, features, generator=gen, dtype=torch.float64) * 0.05
     weight[7] = 0.0  # an all-zero row: scale 0, estimate 0
     weight[8, :5] = 3.0  # a few large weights: a coarse scale for that row
     rows = quantize_rows(weight.float())  # 3,000 rows: the last group of 64 holds 56 and padding
     assert rows.q.dtype == torch.int8 and int(rows.q.abs().max()) == 127
     for m in (1, 2):
         for scale in (0.01, 1.0, 100.0):
-            x = torch.randn(m, 576, generator=gen, dtype=torch.float64) * scale
+            x = torch.randn(m, features, generator=gen, dtype=torch.float64) * scale
             x[0, 3] = 40 * scale  # an outlier dimension, as hidden states have
-            estimate, bound = torch.ops.tpserve_cpu.int8_logit_estimates(x.float(), rows.q, rows.scales, 0.5)
+            estimate, bound = torch.ops.tpserve_cpu.int8_logit_estimates(x.float(), rows.q, rows.scales, rows.l1, 0.5)
             truth = x.float().double() @ weight.float().double().T
             assert bool(((estimate.double() - truth).abs() <= bound.double() * 1.0001 + 1e-6).all())
             assert float(estimate[:, 7].abs().max()) == 0.0
@@ -88,32 +91,54 @@ def test_estimates_stay_within_their_bounds_of_float64_logits():
 
 
 def test_the_int8_layout_and_row_limit_are_the_kernels():
-    """greedy_lm_head.py lays the copy out and caps the rows as int8_logits.cpp reads them."""
-    assert torch.ops.tpserve_cpu.int8_logits_group_rows() == glh.GROUP_ROWS
+    """greedy_lm_head.py lays the copy out and caps the rows as this build of int8_logits.cpp
+    reads them (groups of a register's lanes times four: 64 rows on AVX-512, 32 on AVX2)."""
+    group_rows = int(torch.ops.tpserve_cpu.int8_logits_group_rows())
+    assert group_rows in (32, 64)
+    assert quantize_rows(torch.randn(70, 64)).q.shape[2] == group_rows
     assert torch.ops.tpserve_cpu.int8_logits_max_rows() == glh.MAX_ROWS
 
 
-def test_int8_rows_are_each_row_rounded_at_its_scale_in_groups_of_64():
+@pytest.mark.parametrize("group_rows", [64, 32])
+@pytest.mark.parametrize("features", [48, 47])
+def test_int8_rows_are_each_row_rounded_at_its_scale_in_groups_by_column_pairs(features, group_rows):
     gen = torch.Generator().manual_seed(2)
-    weight = torch.randn(130, 48, generator=gen)
-    rows = quantize_rows(weight)
-    assert rows.q.shape == (3, 48, 64) and rows.scales.shape == (130,)
+    weight = torch.randn(130, features, generator=gen)
+    rows = quantize_rows(weight, group_rows=group_rows)
+    groups = -(-130 // group_rows)
+    assert rows.q.shape == (groups, 24, group_rows, 2) and rows.scales.shape == (130,) and rows.l1.shape == (130,)
     expected = torch.round(weight / (weight.abs().amax(dim=1, keepdim=True) / 127)).to(torch.int8)
     assert torch.equal(rows.row_major(), expected)
-    assert int(rows.q[2, :, 2:].abs().max()) == 0  # rows 130-191 pad the last group with zeros
-    assert torch.equal(rows.q[1, :, 5], expected[69])
+    # Rows 130 up to the end of the last group are zero padding.
+    assert int(rows.q[-1, :, 130 - (groups - 1) * group_rows:].abs().max()) == 0
+    # Row 69's columns 2p and 2p + 1 are its group's pair p.
+    assert torch.equal(rows.q[69 // group_rows, :, 69 % group_rows].reshape(-1)[:features], expected[69])
+    if features % 2:
+        assert int(rows.q[:, -1, :, 1].abs().max()) == 0  # an odd K's last pair is padded with zeros
+    assert torch.equal(rows.l1, expected.abs().sum(dim=1).float())
+
+
+def test_the_pass_benchmark_times_the_op_and_the_read(capsys):
+    """bench/kernels/greedy_head_pass.py runs the op on this build's layout and reports both regimes."""
+    from bench.kernels import greedy_head_pass
+
+    assert greedy_head_pass.main(["--vocab", "640", "--hidden", "96", "--rows", "2", "--repeats", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["bytes"] == -(-640 // result["group_rows"]) * result["group_rows"] * 96
+    for regime in ("from_memory", "from_cache"):
+        assert result[regime]["pass"]["ms"] >= 0 and result[regime]["pass_share_of_read"] > 0
 
 
 def test_the_estimate_op_refuses_what_it_cannot_take():
     rows = quantize_rows(torch.randn(70, 64))
     with pytest.raises(RuntimeError, match="1 <= M <= 2"):
-        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(3, 64), rows.q, rows.scales, 0.5)
+        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(3, 64), rows.q, rows.scales, rows.l1, 0.5)
     with pytest.raises(RuntimeError, match="K = 64"):
-        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(1, 63), rows.q, rows.scales, 0.5)
+        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(1, 62), rows.q, rows.scales, rows.l1, 0.5)
     with pytest.raises(RuntimeError, match="scales"):
-        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(1, 64), rows.q, rows.scales[:64], 0.5)
+        torch.ops.tpserve_cpu.int8_logit_estimates(torch.randn(1, 64), rows.q, rows.scales[:64], rows.l1[:64], 0.5)
     with pytest.raises(RuntimeError, match="finite"):
-        torch.ops.tpserve_cpu.int8_logit_estimates(torch.full((1, 64), float("nan")), rows.q, rows.scales, 0.5)
+        torch.ops.tpserve_cpu.int8_logit_estimates(torch.full((1, 64), float("nan")), rows.q, rows.scales, rows.l1, 0.5)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -5,8 +5,9 @@ Why: at one stream a decode step is a read of every weight, and the LM head is a
 processing reads only the argmax of its logits. So for batches of up to `MAX_ROWS` such rows:
 
 1. An int8 copy of the head (one scale per vocabulary row, half the bytes) gives every logit to
-   within a bound: |x . W[n] - estimate[n]| <= scale[n] * ||x||_1 * (1/2 + rounding slack)
-   (workers/cpu/csrc/int8_logits.cpp; x stays float32).
+   within a bound: |x . W[n] - estimate[n]| <= scale[n] * (||x||_1 * (1/2 + rounding slack) +
+   x's rounding to int16 * l1[n]) (workers/cpu/csrc/int8_logits.cpp, which multiplies int16 x by
+   the int8 rows in integers).
 2. The vocabulary rows whose upper bound reaches the best lower bound, less a margin for the
    final rounding of the logits, are the only ones that can be the argmax. Their 16-row panels
    are computed exactly by the LM head's own kernel on the same packed weight (`panel_linear` on
@@ -31,8 +32,9 @@ from workers.cpu import kernels
 
 logger = logging.getLogger(__name__)
 
-# Rows one pass takes (int8_logits.cpp's limit): past two, widening the int8 weights and their
-# FMAs cost as much as the full bf16 head (Zen 4, in an engine: 4 rows 1.07x its step time).
+# Rows one pass takes (int8_logits.cpp's limit): past two, the pass's arithmetic cost as much as
+# the full bf16 head (Zen 4, in an engine: 4 rows 1.07x its step time; measured with the float32
+# form the integer one replaced, not since).
 MAX_ROWS = 2
 # Output features per panel of panel_linear's layouts, and per n block of amx_linear's tiles.
 PANEL_ROWS = 16
@@ -63,37 +65,43 @@ def unpack_panels(packed: torch.Tensor, features: int | None = None) -> torch.Te
     return weight if features is None else weight[:, :features]
 
 
-# Weight rows per group of the int8 copy (int8_logits.cpp's layout: one step of its pass reads
-# the 64 rows' weights of one column, a cache line).
-GROUP_ROWS = 64
-
-
 @dataclass(frozen=True)
 class Int8Rows:
-    """An int8 copy of a weight, one scale per row: W[n] ~ scales[n] * q[n // 64, :, n % 64]."""
+    """An int8 copy of a weight, one scale per row, in groups of G rows by pairs of columns:
+    W[n][k] ~ scales[n] * q[n // G, k // 2, n % G, k % 2]."""
 
-    q: torch.Tensor  # [ceil(N / 64), K, 64] int8; rows past N are zero
+    q: torch.Tensor  # [ceil(N / G), ceil(K / 2), G, 2] int8; rows past N and a column past an odd K are zero
     scales: torch.Tensor  # [N] float32: max |W[n]| / 127 (0 for an all-zero row)
+    l1: torch.Tensor  # [N] float32: sum of |q[n]|, what x's rounding to int16 costs row n's bound
+    features: int  # K
 
     def row_major(self) -> torch.Tensor:
         """The int8 rows as [N, K]."""
-        return self.q.permute(0, 2, 1).reshape(-1, self.q.size(1))[: self.scales.numel()]
+        groups, pairs, group_rows, _ = self.q.shape
+        rows = self.q.permute(0, 2, 1, 3).reshape(groups * group_rows, 2 * pairs)
+        return rows[: self.scales.numel(), : self.features]
 
 
-def quantize_rows(weight: torch.Tensor, chunk: int = 4096) -> Int8Rows:
-    """Each row rounded to int8 at its own scale, max |w| / 127, laid out in groups of 64 rows."""
+def quantize_rows(weight: torch.Tensor, group_rows: int | None = None, chunk: int = 4096) -> Int8Rows:
+    """Each row rounded to int8 at its own scale, max |w| / 127, laid out in groups of
+    `group_rows` rows by pairs of columns (None: as the loaded kernels' int8 pass reads them, 64
+    rows on AVX-512 and 32 on AVX2, a register's lanes times four)."""
+    if group_rows is None:
+        group_rows = int(kernels.ops().int8_logits_group_rows())
     rows, features = weight.shape
-    groups = -(-rows // GROUP_ROWS)
-    flat = torch.zeros(groups * GROUP_ROWS, features, dtype=torch.int8)
+    groups, pairs = -(-rows // group_rows), -(-features // 2)
+    flat = torch.zeros(groups * group_rows, 2 * pairs, dtype=torch.int8)
     scales = torch.empty(rows, dtype=torch.float32)
     for start in range(0, rows, chunk):
         end = min(rows, start + chunk)
         w = weight[start:end].float()
         s = w.abs().amax(dim=1) / 127
         scales[start:end] = s
-        flat[start:end] = torch.round(w / torch.where(s > 0, s, 1).unsqueeze(1)).clamp(-127, 127).to(torch.int8)
-    q = flat.view(groups, GROUP_ROWS, features).permute(0, 2, 1).contiguous()
-    return Int8Rows(q, scales)
+        flat[start:end, :features] = torch.round(w / torch.where(s > 0, s, 1).unsqueeze(1)).clamp(-127, 127).to(
+            torch.int8)
+    l1 = flat[:rows].abs().sum(dim=1, dtype=torch.int32).float()
+    q = flat.view(groups, group_rows, pairs, 2).permute(0, 2, 1, 3).contiguous()
+    return Int8Rows(q, scales, l1, features)
 
 
 class GreedyLmHead:
@@ -111,10 +119,10 @@ class GreedyLmHead:
         # The int8 copy of the vocabulary's rows (padding rows never become candidates, so they
         # cannot set the best lower bound).
         self.rows = quantize_rows(weight[:vocab_size])
-        # W's rounding to int8 (1/2 of a scale per element) plus float32 rounding of both sums
-        # (the estimate's and the exact kernel's), at most K * 2^-24 of the sum of |products|
-        # each, as a share of ||x||_1 * 127 * scale.
-        self.slack = 0.5 + 2 * weight.size(1) * 2.0**-24 * 127
+        # W's rounding to int8 (1/2 of a scale per element) plus the exact kernel's float32
+        # rounding, at most K * 2^-24 of the sum of |products|, as a share of ||x||_1 * 127 *
+        # scale (the kernel adds x's rounding to int16 and its own sum's rounding).
+        self.slack = 0.5 + weight.size(1) * 2.0**-24 * 127
         # Candidate panels past which argmax() leaves the batch to the full head.
         self.max_panels = max(1, packed.size(0) // MAX_PANEL_SHARE)
         # The most rows argmax() answers.
@@ -138,7 +146,7 @@ class GreedyLmHead:
 
     @property
     def nbytes(self) -> int:
-        return self.rows.q.numel() + self.rows.scales.numel() * 4
+        return self.rows.q.numel() + self.rows.scales.numel() * 4 + self.rows.l1.numel() * 4
 
     def argmax(self, hidden: torch.Tensor) -> list[int] | None:
         """The full head's greedy token of each row of `hidden` ([M, K], the model's dtype), or
@@ -148,6 +156,6 @@ class GreedyLmHead:
             return None
         # A non-finite hidden state makes a non-finite bound: no panels, the full head decides.
         # One op: the int8 pass, then the candidate panels exactly by the head's kernel.
-        tokens = torch.ops.tpserve_cpu.int8_greedy_tokens(hidden, self.rows.q, self.rows.scales, self.packed,
-                                                          self.slack, ROUNDING_MARGIN, self.max_panels)
+        tokens = torch.ops.tpserve_cpu.int8_greedy_tokens(hidden, self.rows.q, self.rows.scales, self.rows.l1,
+                                                          self.packed, self.slack, ROUNDING_MARGIN, self.max_panels)
         return tokens.tolist() if tokens.numel() else None
