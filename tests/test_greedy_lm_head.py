@@ -205,6 +205,8 @@ def test_it_declines_what_it_cannot_answer(layout, monkeypatch):
     assert head.argmax(bad) is None
     bad[0, 3] = float("inf")
     assert head.argmax(bad) is None
+    # A row whose int16 scale would be subnormal (its largest |x| under ~2e-34).
+    assert head.argmax((torch.randn(1, 576) * 1e-36).to(weight.dtype)) is None
     # A candidate set past the limit: every row a candidate once the margin is huge.
     monkeypatch.setattr(glh, "ROUNDING_MARGIN", 1e9)
     assert head.argmax(x[:1]) is None

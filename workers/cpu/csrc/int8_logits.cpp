@@ -44,6 +44,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <limits>
 #include <optional>
 
 #include "vec.h"
@@ -83,8 +84,8 @@ struct Pass {
   int64_t pairs = 0;           // column pairs of the copy, ceil(K / 2)
   float sx[kMaxRows] = {0, 0};  // each row of x's int16 scale: x[m][k] ~ sx[m] * xq[m][k]
   float c[kMaxRows] = {0, 0};  // each row's bound per unit of scales[n]: slack * ||x||_1 + rounding
-  float d[kMaxRows] = {0, 0};  // ... and per unit of scales[n] * l1[n]: x's rounding, sx / 2
-  bool finite = true;          // x has no NaN or infinity
+  float d[kMaxRows] = {0, 0};  // ... and per unit of scales[n] * l1[n]: x's rounding, kXRounding * sx
+  bool finite = true;          // x has no NaN or infinity, nor a row too small for its int16 scale
 };
 
 Pass prepare(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& l1,
@@ -116,7 +117,9 @@ Pass prepare(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
         l1_x += std::fabs(at(k));
         largest = std::max(largest, std::fabs(at(k)));
       }
-      p.finite &= std::isfinite(l1_x);
+      // A row so small that its scale would be a subnormal float (|x| < 16383 * FLT_MIN, ~2e-34;
+      // hidden states never are) is declined as a non-finite one is: the caller runs the full head.
+      p.finite &= std::isfinite(l1_x) && (largest == 0.f || largest >= kMaxX * std::numeric_limits<float>::min());
       if (!p.finite || largest == 0.f) continue;  // a zero row: every estimate 0, every bound 0
       const float sx = largest / kMaxX, inv = kMaxX / largest;
       for (int64_t k = 0; k < p.K; ++k) {
@@ -269,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> int8_logit_estimates(const at::Tensor& x, con
                                                         const at::Tensor& scales, const at::Tensor& l1,
                                                         double slack) {
   const Pass p = prepare(x, q, scales, l1, slack);
-  TORCH_CHECK(p.finite, "int8_logit_estimates: x must be finite");
+  TORCH_CHECK(p.finite, "int8_logit_estimates: x must be finite, and each row's largest |x| at least ~2e-34");
   const auto options = at::TensorOptions().dtype(at::kFloat);
   at::Tensor estimates = at::empty({p.M, p.N}, options), bounds = at::empty({p.M, p.N}, options);
   estimate_all(p, q, scales, l1, estimates.data_ptr<float>(), bounds.data_ptr<float>(), nullptr);
