@@ -76,7 +76,7 @@ def test_estimates_stay_within_their_bounds_of_float64_logits(features):
     weight = torch.randn(3000, features, generator=gen, dtype=torch.float64) * 0.05
     weight[7] = 0.0  # an all-zero row: scale 0, estimate 0
     weight[8, :5] = 3.0  # a few large weights: a coarse scale for that row
-    rows = quantize_rows(weight.float())  # 3,000 rows: the last group of 64 holds 56 and padding
+    rows = quantize_rows(weight.float())  # 3,000 rows: the last group holds the rest and padding
     assert rows.q.dtype == torch.int8 and int(rows.q.abs().max()) == 127
     for m in (1, 2):
         for scale in (0.01, 1.0, 100.0):
