@@ -70,7 +70,7 @@ def test_panels_unpack_to_the_weight(layout):
     assert torch.equal(head.rows.row_major(), quantize_rows(weight).row_major())
 
 
-@pytest.mark.parametrize("features", [576, 575])  # an odd K: the copy's last column pair is half padding
+@pytest.mark.parametrize("features", [576, 575, 3100])  # odd K: a half-padded last pair; 3,100: 4 int32 blocks
 def test_estimates_stay_within_their_bounds_of_float64_logits(features):
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(3000, features, generator=gen, dtype=torch.float64) * 0.05
@@ -86,8 +86,12 @@ def test_estimates_stay_within_their_bounds_of_float64_logits(features):
             truth = x.float().double() @ weight.float().double().T
             assert bool(((estimate.double() - truth).abs() <= bound.double() * 1.0001 + 1e-6).all())
             assert float(estimate[:, 7].abs().max()) == 0.0
-            # The bound is tight enough to be useful: well under the logits' spread.
-            assert float(bound.median()) < 0.2 * float(truth.std())
+            # The bound is tight enough to be useful at the default model's K: well under the
+            # logits' spread. (A worst-case bound grows with K, random logits' spread with its
+            # square root: at 3,100 the bound is about half the spread, and the candidate limit
+            # sends such steps to the full head.)
+            if features < 1000:
+                assert float(bound.median()) < 0.2 * float(truth.std())
 
 
 def test_the_int8_layout_and_row_limit_are_the_kernels():

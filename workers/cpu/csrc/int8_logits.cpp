@@ -130,18 +130,19 @@ Pass prepare(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
       // |x - sx * xq| <= sx / 2 per column, plus the float32 roundings of inv, x * inv and sx
       // (each 2^-24 relative, of values up to 16383: together under 0.004 sx).
       p.d[m] = kXRounding * sx;
-      // The estimate's own rounding: each block's exact int32 sum converted to float32, the blocks
-      // added, then the products by sx and scales[n]: (blocks + 3) * 2^-24 of sx * sum_k |xq[k]
-      // q[n][k]|, which is at most 127 * (||x||_1 + K * d) per unit of scales[n].
-      const double rounding = (blocks + 3) * std::ldexp(1.0, -24) * 127.0 * (l1_x + p.K * p.d[m]);
+      // The estimate's own rounding: each block's exact int32 sum converted to float32 (blocks
+      // roundings), the blocks added (blocks - 1), then the products by sx and scales[n] (2): at
+      // most (2 blocks + 1) * 2^-24 of sx * sum_k |xq[k] q[n][k]|, to first order, counted as
+      // 2 blocks + 2; that sum is at most 127 * (||x||_1 + K * d) per unit of scales[n].
+      const double rounding = (2 * blocks + 2) * std::ldexp(1.0, -24) * 127.0 * (l1_x + p.K * p.d[m]);
       p.c[m] = static_cast<float>(slack * l1_x + rounding);
     }
   });
   return p;
 }
 
-// sum_k xq[m][k] * q[n][k] for the 64 rows n of one group and the M rows of x, exactly: out[m *
-// 64 + j] (in float32, each block's int32 sum converted once).
+// sum_k xq[m][k] * q[n][k] for the kGroupRows rows n of one group and the M rows of x, exactly:
+// out[m * kGroupRows + j] (in float32, each block's int32 sum converted once).
 template <int M>
 inline void dot_group(const Pass& p, const int8_t* qg, float* out) {
   const int64_t pairs = p.pairs;
