@@ -141,6 +141,9 @@ Pass prepare(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
   return p;
 }
 
+// Row n's bound for row m of x: |x[m] . W[n] - estimate| <= this (the header's formula).
+inline float bound_of(const Pass& p, int m, float scale, float l1) { return scale * (p.c[m] + p.d[m] * l1); }
+
 // sum_k xq[m][k] * q[n][k] for the kGroupRows rows n of one group and the M rows of x, exactly:
 // out[m * kGroupRows + j] (in float32, each block's int32 sum converted once).
 template <int M>
@@ -229,7 +232,7 @@ void estimate_groups(const Pass& p, const int8_t* q, const float* scales, const 
       for (int64_t j = 0; j < rows; ++j) {
         const int64_t n = first + j;
         const float e = dots[m * kGroupRows + j] * p.sx[m] * scales[n];
-        const float bound = scales[n] * (p.c[m] + p.d[m] * l1[n]);
+        const float bound = bound_of(p, m, scales[n], l1[n]);
         estimates[m * N + n] = e;
         if (bounds) bounds[m * N + n] = bound;
         extremes.lower[m] = std::max(extremes.lower[m], e - bound);
@@ -309,7 +312,7 @@ std::vector<int64_t> candidate_panels(const Pass& p, const at::Tensor& q, const 
     const int64_t first = g * kGroupRows, last = std::min(N, first + kGroupRows);
     for (int64_t n = first; n < last; ++n) {
       bool candidate = false;
-      for (int64_t m = 0; m < M; ++m) candidate |= estimates[m * N + n] + sp[n] * (p.c[m] + p.d[m] * lp[n]) >= reach[m];
+      for (int64_t m = 0; m < M; ++m) candidate |= estimates[m * N + n] + bound_of(p, m, sp[n], lp[n]) >= reach[m];
       if (!candidate) continue;
       const int64_t panel = n / kPanelRows;
       if (static_cast<int64_t>(panels.size()) == limit) return {};
