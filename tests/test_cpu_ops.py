@@ -168,6 +168,24 @@ def test_paged_decode_attention_matches_gather_and_sdpa(dtype, head_dim, heads, 
     assert_matches(out, expected, exact_bf16=False)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_claimed_decode_items_cover_every_request_once(threads):
+    """Enough requests that the threads claim several requests at a time from a counter (75 on
+    2 threads: claims of 2 requests' items, the last one short; on 3 threads: 1 request), with
+    contexts of every length in between: every head's output is the whole-context attention's."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lens = [1 + (i * 37) % 300 for i in range(75)]
+        q, k_cache, v_cache, tables, context = _decode_case(torch.bfloat16, 64, 9, 3, lens)
+        expected, k_cache, v_cache = _reference(q, k_cache, v_cache, tables, context, 0.125, None, None)
+        out = torch.full_like(q, float("nan"))
+        ops().paged_decode_attention(out, q, k_cache, v_cache, tables, context, 0.125, 0, 0.0)
+    finally:
+        torch.set_num_threads(saved)
+    assert_matches(out, expected, exact_bf16=False)
+
+
 def test_decode_context_splits_give_every_thread_an_equal_share_of_few_items():
     splits = ops().decode_context_splits
     assert splits(3, 2100, 2) == 2  # one request, 3 KV heads, 2 threads: 6 parts, 3 a thread
