@@ -10,7 +10,8 @@ serve_compare workload, and over a `--window`-second stretch of steady load reco
   the forward (with sampling), the rest of the step (schedule, update, outputs), and the gap
   between steps (the event loop's turn: emitting outputs, HTTP/SSE, waiting for the GIL);
 - how many cores each process of the server used (replica, proxy, Ray daemons) and each thread of
-  the replica (the step thread, torch's OpenMP threads, the event loop);
+  the replica (the step thread, torch's OpenMP threads, the event loop), and what this benchmark
+  itself used of the same cores (its client, py-spy): with the server's, the whole machine;
 - py-spy samples of the replica (non-blocking), sorted by thread role and cost category
   (bench/stack_categories.py).
 
@@ -23,6 +24,8 @@ import argparse
 import asyncio
 import json
 import math
+import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -73,6 +76,11 @@ def _process_label(pid: int) -> str:
     return name.split(".", 1)[0] if name.startswith("ray::") else name
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def replica_pid(pids: list[int]) -> int:
     for pid in pids:
         if proc_cpu.process_name(pid).startswith("ray::ServeReplica"):
@@ -83,6 +91,11 @@ def replica_pid(pids: list[int]) -> int:
 def measure_window(server: ManagedServer, window_s: float, rate: int) -> dict:
     pids = marked_pids(server.marker)
     replica = replica_pid(pids)
+    # Besides the server's processes, what this benchmark itself runs on the same cores: the load
+    # generator (this process: the client parsing every SSE chunk) and py-spy (its CPU time from
+    # the children's rusage once it has been reaped: the only child that ends in the window).
+    client = os.getpid()
+    spy_cpu0 = _children_cpu_s()
     metrics_url = f"{server.base_url}/metrics"
     with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
         spy = subprocess.Popen(
@@ -91,15 +104,20 @@ def measure_window(server: ManagedServer, window_s: float, rate: int) -> dict:
              "-o", raw.name], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         hist0, procs0, threads0 = (histogram_totals(httpx.get(metrics_url).text),
                                    proc_cpu.processes_snapshot(pids), proc_cpu.threads_snapshot(replica))
+        client0 = proc_cpu.processes_snapshot([client])
         start = time.monotonic()
         spy.wait(window_s + 60)
         wall = time.monotonic() - start
+        spy_cores = (_children_cpu_s() - spy_cpu0) / (time.monotonic() - start)
+        client1 = proc_cpu.processes_snapshot([client])
         hist1, procs1, threads1 = (histogram_totals(httpx.get(metrics_url).text),
                                    proc_cpu.processes_snapshot(pids), proc_cpu.threads_snapshot(replica))
         stacks = Path(raw.name).read_text()
     names = thread_names(stacks)
     return {"window_s": round(wall, 1), "engine_per_step": engine_per_step(hist0, hist1, wall),
             "cores_by_process": proc_cpu.by_label(proc_cpu.cores_used(procs0, procs1, wall), _process_label),
+            "benchmark_cores": {"client (this process)": proc_cpu.cores_used(client0, client1, wall, 0.0).get(client),
+                                "py-spy": round(spy_cores, 3)},
             "replica_cores_by_thread": proc_cpu.by_label(
                 proc_cpu.cores_used(threads0, threads1, wall),
                 lambda tid: names.get(tid, "native threads (torch OpenMP, Ray core)")),
