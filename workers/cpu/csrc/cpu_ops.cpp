@@ -991,7 +991,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       const int64_t items = num_reqs * kv_heads;
       int64_t longest = 0;
       for (int64_t b = 0; b < num_reqs; ++b) longest = std::max<int64_t>(longest, lens[b] - first_token(b));
-      const int64_t splits = decode_context_splits(items, longest, at::get_num_threads());
+      const int64_t threads = at::get_num_threads();
+      const int64_t splits = decode_context_splits(items, longest, threads);
       // Units of work: an item's context, or one of its `splits` parts, each [s0, s1).
       auto unit_range = [&](int64_t unit, int64_t& s0, int64_t& s1) {
         const int64_t b = unit / splits / kv_heads, start = first_token(b);
@@ -1008,7 +1009,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
       // Whole contexts are claimed (UnitQueue); split parts keep static shares, since the split
       // already gives every thread an equal count of equal parts. A claim takes whole requests
       // (their KV heads share cache lines) once there are enough of them.
-      const int64_t units = items * splits, threads = at::get_num_threads();
+      const int64_t units = items * splits;
       const bool claims = splits == 1 && threads > 1 && units > threads;
       const int64_t chunk = num_reqs >= threads * kDecodeClaimsPerThread
                                 ? kv_heads * (num_reqs / (threads * kDecodeClaimsPerThread))
