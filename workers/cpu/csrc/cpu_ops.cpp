@@ -735,12 +735,74 @@ bool decode_one_avx512_dispatch(O* out, const T* q, const T* k_cache, const T* v
 #endif  // __AVX512F__
 
 #if defined(TPSERVE_AVX2) && !defined(__AVX512F__)
+// Tokens per step of shared_key_scores: the most (4, 2 or 1) whose TB x G accumulators fit 12
+// of the 16 ymm (one more holds the key vector; the query vectors are memory operands).
+template <int G>
+constexpr int shared_key_tokens() {
+  return G * 4 <= 12 ? 4 : (G * 2 <= 12 ? 2 : 1);
+}
+
+// decode_one_avx2's scores for G > 1 query heads per KV head, [start, len) by steps of TB tokens
+// (what is left, fewer than TB, is the caller's): each key vector is loaded and widened once and
+// multiplied into all G heads' sums, the query vectors read by the FMAs from L1 (scaled, qs).
+// Why: the kernel is bound by its instructions, not memory, on the AVX2 CPUs measured (a context
+// read from L3 took as long per token as one from memory), and bf16 keys cost two instructions to
+// widen per 8 values. The one-head-at-a-time form (below, kept for G = 1) re-read and re-widened
+// every key row for each of the G heads: for SmolLM2's G = 3 that was 48 of the ~80 instructions
+// a token's scores took. The query vectors stay in memory: held in registers with the key rows of
+// 4 tokens (an earlier form) they spilled. Measured on a 2-core AMD EPYC Zen 4 with the avx2 build
+// (bench.kernels.decode_attention_kernel, bf16, builds alternated, 2026-12-07): SmolLM2's heads,
+// 64 x 350 tokens over 30 cold layers 23.3-24.9 -> 21.2-22.6 ms (0.64-0.66 -> 0.66-0.73 of a
+// plain read of the same bytes), one layer's 32 x 350 tokens hot in cache 0.35 -> 0.31 ms at best;
+// Llama-3-8B's (G = 4, head_dim 128), 16 x 1,000 tokens over 8 layers 25.8 -> 22.8-23.0 ms;
+// G = 8, head_dim 128, 44.3-46.6 -> 38.5-40.0 ms. Widening bf16 keys and values in (even, odd)
+// pairs (a shift and a mask per 16 values instead of two instructions per 8, the query laid out
+// to match) on top of this: no further gain (20.8-22.1 ms; hot 0.30-0.31). Returns the first
+// token not scored.
+template <typename T, int NV, int G>
+int64_t shared_key_scores(float* scores, int64_t padded, const float* qs, const T* k_cache, const T* v_cache,
+                          const int64_t* rows, int64_t start, int64_t len, const NextItemRows& next) {
+  constexpr int64_t d = 8 * NV;
+  constexpr int TB = shared_key_tokens<G>();
+  constexpr int A = TB * G;  // accumulators, token-major: acc[i * G + g]
+  int64_t t = start;
+  for (; t + TB <= len; t += TB) {
+    prefetch_ahead([&](int64_t i) { return k_cache + rows[i - start]; }, t, TB, len, d);
+    prefetch_later(k_cache, v_cache, rows, next, t - start, TB, d);
+    __m256 acc[A];
+#pragma GCC unroll 16
+    for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) {
+#pragma GCC unroll 4
+      for (int i = 0; i < TB; ++i) {
+        const __m256 k = load8(k_cache + rows[t + i - start] + 8 * j);
+#pragma GCC unroll 12
+        for (int g = 0; g < G; ++g) acc[i * G + g] = fmadd_mem(acc[i * G + g], k, qs + g * d + 8 * j);
+      }
+    }
+    // The A totals, eight at a time, then each to its head's row of scores.
+    alignas(32) float total[(A + 7) / 8 * 8];
+    const __m256 zero = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int a = 0; a < A; a += 8) {
+      auto at = [&](int x) { return a + x < A ? acc[a + x] : zero; };
+      _mm256_store_ps(total + a, reduce8_256(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7)));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < TB; ++i)
+#pragma GCC unroll 12
+      for (int g = 0; g < G; ++g) scores[g * padded + (t + i - start)] = total[i * G + g];
+  }
+  return t;
+}
+
 // decode_one for head_dim = 8 * NV and G query heads per KV head, both compile-time so that the
 // accumulators are registers (AVX2 has 16 ymm). Shaped so that every FMA chain is short next to
 // the work around it (Zen 3's FMA takes 4 cycles and two issue per cycle: 8 chains in flight):
-// - Scores: 8 tokens per step, one head at a time: 8 accumulators (one per token, NV FMAs each),
-//   the head's query vector loaded once per 8 FMAs, the K rows re-read from L1 for each head;
-//   one 8-way reduction per head gives 8 scores.
+// - Scores, G = 1: 8 tokens per step: 8 accumulators (one per token, NV FMAs each), the query
+//   vector loaded once per 8 FMAs; one 8-way reduction gives 8 scores. G > 1: shared_key_scores
+//   (above), each key vector widened once for all G heads.
 // - Weighted V sum: the head is walked in slices of SV vectors, all tokens per slice, with G x SV
 //   accumulators: SV = 4 for float32 and G <= 3 (12 accumulators), 2 for bf16 or G <= 6, else 1.
 //   The first slice reads the rows from memory and prefetches whole rows ahead; the rest find
@@ -769,7 +831,10 @@ void decode_one_avx2(O* out, const T* q, const T* k_cache, const T* v_cache, con
   alignas(32) float qs[G * d];
   for (int64_t i = 0; i < G * d; i += 8) _mm256_store_ps(qs + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(scale)));
   int64_t t = start;
-  for (; t + 8 <= len; t += 8) {
+  // G > 1: each key row widened once for all G heads (shared_key_scores); this 8-token form is G = 1's.
+  if constexpr (G > 1)
+    t = shared_key_scores<T, NV, G>(scores.data(), padded, qs, k_cache, v_cache, rows, start, len, next);
+  for (; G == 1 && t + 8 <= len; t += 8) {
     prefetch_ahead([&](int64_t i) { return row_at(k_cache, i); }, t, 8, len, d);
     prefetch_later(k_cache, v_cache, rows, next, t - start, 8, d);
     const T* kr[8];
