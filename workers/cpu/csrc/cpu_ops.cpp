@@ -908,8 +908,9 @@ void decode_one_avx2(O* out, const T* q, const T* k_cache, const T* v_cache, con
 #pragma GCC unroll 4
           for (int x = 0; x < SV; ++x) acc[g][x] = fmadd_mem(acc[g][x], p, vr + 8 * x);
         }
-      } else if constexpr (!std::is_same_v<T, float> && G * SV + G + 1 > 15) {
-        // The G probabilities broadcast once, then one widened value vector at a time.
+      } else if constexpr (!std::is_same_v<T, float> && G * SV + SV + 1 > 16) {
+        // SV widened value vectors at once would not fit beside the accumulators (G = 3: 12 + 4
+        // + 1): the G probabilities broadcast once, then one widened value vector at a time.
         __m256 p[G];
 #pragma GCC unroll 8
         for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(scores.data() + g * padded + (t - start));
