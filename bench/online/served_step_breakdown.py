@@ -108,7 +108,7 @@ def measure_window(server: ManagedServer, window_s: float, rate: int) -> dict:
         start = time.monotonic()
         spy.wait(window_s + 60)
         wall = time.monotonic() - start
-        spy_cores = (_children_cpu_s() - spy_cpu0) / (time.monotonic() - start)
+        spy_cores = (_children_cpu_s() - spy_cpu0) / wall
         client1 = proc_cpu.processes_snapshot([client])
         hist1, procs1, threads1 = (histogram_totals(httpx.get(metrics_url).text),
                                    proc_cpu.processes_snapshot(pids), proc_cpu.threads_snapshot(replica))

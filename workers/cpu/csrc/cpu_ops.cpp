@@ -735,30 +735,23 @@ bool decode_one_avx512_dispatch(O* out, const T* q, const T* k_cache, const T* v
 #endif  // __AVX512F__
 
 #if defined(TPSERVE_AVX2) && !defined(__AVX512F__)
-// Tokens per step of shared_key_scores: the most (4, 2 or 1) whose TB x G accumulators fit 12
+// Tokens per step of shared_key_scores: the most (8, 4, 2 or 1) whose TB x G accumulators fit 12
 // of the 16 ymm (one more holds the key vector; the query vectors are memory operands).
 template <int G>
 constexpr int shared_key_tokens() {
-  return G * 4 <= 12 ? 4 : (G * 2 <= 12 ? 2 : 1);
+  return G * 8 <= 12 ? 8 : (G * 4 <= 12 ? 4 : (G * 2 <= 12 ? 2 : 1));
 }
 
-// decode_one_avx2's scores for G > 1 query heads per KV head, [start, len) by steps of TB tokens
-// (what is left, fewer than TB, is the caller's): each key vector is loaded and widened once and
-// multiplied into all G heads' sums, the query vectors read by the FMAs from L1 (scaled, qs).
-// Why: the kernel is bound by its instructions, not memory, on the AVX2 CPUs measured (a context
-// read from L3 took as long per token as one from memory), and bf16 keys cost two instructions to
-// widen per 8 values. The one-head-at-a-time form (below, kept for G = 1) re-read and re-widened
-// every key row for each of the G heads: for SmolLM2's G = 3 that was 48 of the ~80 instructions
-// a token's scores took. The query vectors stay in memory: held in registers with the key rows of
-// 4 tokens (an earlier form) they spilled. Measured on a 2-core AMD EPYC Zen 4 with the avx2 build
-// (bench.kernels.decode_attention_kernel, bf16, builds alternated, 2026-12-07): SmolLM2's heads,
-// 64 x 350 tokens over 30 cold layers 23.3-24.9 -> 21.2-22.6 ms (0.64-0.66 -> 0.66-0.73 of a
-// plain read of the same bytes), one layer's 32 x 350 tokens hot in cache 0.35 -> 0.31 ms at best;
-// Llama-3-8B's (G = 4, head_dim 128), 16 x 1,000 tokens over 8 layers 25.8 -> 22.8-23.0 ms;
-// G = 8, head_dim 128, 44.3-46.6 -> 38.5-40.0 ms. Widening bf16 keys and values in (even, odd)
-// pairs (a shift and a mask per 16 values instead of two instructions per 8, the query laid out
-// to match) on top of this: no further gain (20.8-22.1 ms; hot 0.30-0.31). Returns the first
-// token not scored.
+// decode_one_avx2's scores, [start, len) by steps of TB tokens (what is left, fewer than TB, is
+// the caller's): each key vector is loaded and widened once and multiplied into all G heads' sums,
+// the query vectors read by the FMAs from L1 (scaled, qs). Why: the kernel is bound by its
+// instructions, not memory, on the AVX2 CPUs measured (a context read from L3 took as long per
+// token as one from memory), and bf16 keys cost two instructions to widen per 8 values; the form
+// before, one head at a time, re-read and re-widened every key row G times (for SmolLM2's G = 3,
+// 48 of the ~80 instructions of a token's scores), and an earlier one that held the query vectors
+// in registers spilled. SmolLM2's heads, 64 x 350 tokens over 30 cold layers: 23.3-24.9 -> 21.2-22.6
+// ms on a Zen 4 with this build (docs/cpu-kernels.md has the other shapes and what was tried on
+// top). Returns the first token not scored.
 template <typename T, int NV, int G>
 int64_t shared_key_scores(float* scores, int64_t padded, const float* qs, const T* k_cache, const T* v_cache,
                           const int64_t* rows, int64_t start, int64_t len, const NextItemRows& next) {
@@ -800,16 +793,14 @@ int64_t shared_key_scores(float* scores, int64_t padded, const float* qs, const 
 // decode_one for head_dim = 8 * NV and G query heads per KV head, both compile-time so that the
 // accumulators are registers (AVX2 has 16 ymm). Shaped so that every FMA chain is short next to
 // the work around it (Zen 3's FMA takes 4 cycles and two issue per cycle: 8 chains in flight):
-// - Scores, G = 1: 8 tokens per step: 8 accumulators (one per token, NV FMAs each), the query
-//   vector loaded once per 8 FMAs; one 8-way reduction gives 8 scores. G > 1: shared_key_scores
-//   (above), each key vector widened once for all G heads.
+// - Scores: shared_key_scores (above), 8 / G tokens a step or fewer, each key vector widened once
+//   for all G heads; one 8-way reduction per 8 accumulators.
 // - Weighted V sum: the head is walked in slices of SV vectors, all tokens per slice, with G x SV
 //   accumulators: SV = 4 for G <= 3 (12 accumulators), 2 for G <= 6, else 1. bf16 rows with 12
 //   accumulators take the G probabilities into registers once a token and widen one value vector
-//   at a time (16 ymm in all): against 2-vector slices for bf16 (Zen 4, avx2 build, SmolLM2's G = 3,
-//   64 x 350 tokens, 30 cold layers, three rounds alternated, 2026-12-07) 20.6-21.2 -> 20.0-20.3
-//   ms, G = 1 and 2 unchanged. The first slice reads the rows from memory and prefetches whole rows
-//   ahead; the rest find them in L2.
+//   at a time (16 ymm in all; 3-4% faster than 2-vector slices for SmolLM2, docs/cpu-kernels.md).
+//   The first slice reads the rows from memory and prefetches whole rows ahead; the rest find
+//   them in L2.
 // The form before (scores 4 tokens at a time with all G x NV query vectors live, 24 for SmolLM2,
 // which spilled; V slices of 2 vectors, whose 6 FMA chains waited on latency), alternated with
 // this one in one process over 30 cold layers of 64 x 450-token contexts on 2 threads: 76.2 ->
@@ -833,33 +824,7 @@ void decode_one_avx2(O* out, const T* q, const T* k_cache, const T* v_cache, con
   alignas(32) float qs[G * d];
   for (int64_t i = 0; i < G * d; i += 8) _mm256_store_ps(qs + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(scale)));
   int64_t t = start;
-  // G > 1: each key row widened once for all G heads (shared_key_scores); this 8-token form is G = 1's.
-  if constexpr (G > 1)
-    t = shared_key_scores<T, NV, G>(scores.data(), padded, qs, k_cache, v_cache, rows, start, len, next);
-  for (; G == 1 && t + 8 <= len; t += 8) {
-    prefetch_ahead([&](int64_t i) { return row_at(k_cache, i); }, t, 8, len, d);
-    prefetch_later(k_cache, v_cache, rows, next, t - start, 8, d);
-    const T* kr[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) kr[i] = row_at(k_cache, t + i);
-    for (int g = 0; g < G; ++g) {
-      const float* qg = qs + g * d;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-#pragma GCC unroll 16
-      for (int j = 0; j < NV; ++j) {
-        const __m256 qj = _mm256_load_ps(qg + 8 * j);
-        a0 = _mm256_fmadd_ps(qj, load8(kr[0] + 8 * j), a0);
-        a1 = _mm256_fmadd_ps(qj, load8(kr[1] + 8 * j), a1);
-        a2 = _mm256_fmadd_ps(qj, load8(kr[2] + 8 * j), a2);
-        a3 = _mm256_fmadd_ps(qj, load8(kr[3] + 8 * j), a3);
-        a4 = _mm256_fmadd_ps(qj, load8(kr[4] + 8 * j), a4);
-        a5 = _mm256_fmadd_ps(qj, load8(kr[5] + 8 * j), a5);
-        a6 = _mm256_fmadd_ps(qj, load8(kr[6] + 8 * j), a6);
-        a7 = _mm256_fmadd_ps(qj, load8(kr[7] + 8 * j), a7);
-      }
-      _mm256_storeu_ps(scores.data() + g * padded + (t - start), reduce8_256(a0, a1, a2, a3, a4, a5, a6, a7));
-    }
-  }
+  t = shared_key_scores<T, NV, G>(scores.data(), padded, qs, k_cache, v_cache, rows, start, len, next);
   for (; t < len; ++t) {
     const T* kr = row_at(k_cache, t);
     for (int g = 0; g < G; ++g) {
