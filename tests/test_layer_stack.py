@@ -192,27 +192,29 @@ def test_the_op_refuses_inputs_that_do_not_fit_its_layers(tmp_path):
     engine = make_engine(path)
     stack = engine.executor.worker.model.layer_stack
     kv = engine.executor.worker.runner.kv_caches
-    k_caches, v_caches = [k for k, _ in kv], [v for _, v in kv]
     x = torch.randn(1, 128)
     positions = torch.zeros(1, dtype=torch.long)
     slots = torch.tensor([16])
     tables = torch.tensor([[1]])
     lens = torch.tensor([1], dtype=torch.int32)
 
-    def call(weights=stack.weights, decode_tables=tables, decode_lens=lens, num_decodes=1, windows=(0, 0),
-             chunk_tables=None, chunk_info=None, soft_cap=stack.soft_cap, prefill_sdpa=False):
-        return cpu_ops.ops().layer_stack(x, positions, slots, decode_tables, decode_lens, chunk_tables, chunk_info,
-                                         weights, k_caches, v_caches, stack.cos, stack.sin, list(windows),
-                                         num_decodes, stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps,
-                                         stack.norm_offset, stack.scale, soft_cap, stack.small_batch_rows,
-                                         prefill_sdpa)
+    def state(weights=stack.weights, windows=(0, 0), soft_cap=stack.soft_cap):
+        return torch.classes.tpserve_cpu.LayerStack(
+            weights, [k for k, _ in kv], [v for _, v in kv], stack.cos, stack.sin, list(windows), stack.num_heads,
+            stack.num_kv_heads, stack.head_dim, stack.eps, stack.norm_offset, stack.scale, soft_cap,
+            stack.small_batch_rows)
+
+    def call(decode_tables=tables, decode_lens=lens, num_decodes=1, chunk_tables=None, chunk_info=None,
+             prefill_sdpa=False, held=None):
+        return cpu_ops.ops().layer_stack(state() if held is None else held, x, positions, slots, decode_tables, decode_lens,
+                                         chunk_tables, chunk_info, num_decodes, prefill_sdpa)
 
     hidden, residual = call()
     assert hidden.shape == residual.shape == (1, 128)
     with pytest.raises(RuntimeError, match="weight slots each"):
-        call(weights=stack.weights[:-1])
+        state(weights=stack.weights[:-1])
     with pytest.raises(RuntimeError, match="weight slots each"):
-        call(windows=(0,))
+        state(windows=(0,))
     with pytest.raises(RuntimeError, match="decodes need their block tables"):
         call(decode_tables=None)
     with pytest.raises(RuntimeError, match="prefill kernel's chunk table"):
@@ -221,8 +223,8 @@ def test_the_op_refuses_inputs_that_do_not_fit_its_layers(tmp_path):
                      chunk_info=torch.tensor([[0, 1, 1]], dtype=torch.int32), prefill_sdpa=True)
     assert call(**one_chunk)[0].shape == (1, 128)
     with pytest.raises(RuntimeError, match="soft cap needs the eager attention"):
-        call(**one_chunk, soft_cap=30.0)
+        call(**one_chunk, held=state(soft_cap=30.0))
     missing_norm = list(stack.weights)
     missing_norm[0] = None
     with pytest.raises(RuntimeError, match="lacks weight slot 0"):
-        call(weights=missing_norm)
+        state(weights=missing_norm)

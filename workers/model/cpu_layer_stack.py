@@ -84,10 +84,21 @@ class CpuLayerStack:
         slots = int(ops.layer_stack_slots_per_layer())
         if len(self.weights) != slots * len(layers):
             raise AssertionError(f"layer_stack reads {slots} tensors per layer; {len(self.weights) // len(layers)} built")
-        # The KV caches as two lists, built on the first call (the model runner's list is fixed).
+        # The C++ side's LayerStack (weights, caches, constants), built on the first call, when the
+        # runner's caches exist, and again only if the runner hands over another cache list.
+        self._state = None
         self._caches_of: list | None = None
-        self._k_caches: list[torch.Tensor] = []
-        self._v_caches: list[torch.Tensor] = []
+
+    def state(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """The C++ LayerStack over these caches: everything a step passes but its batch, converted
+        from Python objects once instead of on every step."""
+        if self._caches_of is not kv_caches:
+            self._state = torch.classes.tpserve_cpu.LayerStack(
+                self.weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], self.cos, self.sin, self.windows,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.norm_offset, self.scale,
+                self.soft_cap, self.small_batch_rows)
+            self._caches_of = kv_caches
+        return self._state
 
     def accepts(self, meta: AttentionMetadata) -> bool:
         """Whether a step's attention runs from C++: decodes with context lengths (the decode
@@ -105,12 +116,6 @@ class CpuLayerStack:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's MLP output and the residual stream (the final norm adds them)."""
-        if self._caches_of is not kv_caches:
-            self._caches_of = kv_caches
-            self._k_caches = [k for k, _ in kv_caches]
-            self._v_caches = [v for _, v in kv_caches]
-        return self._op(x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                        meta.prefill_block_tables, meta.prefill_chunk_info, self.weights, self._k_caches,
-                        self._v_caches, self.cos, self.sin, self.windows, meta.num_decodes, self.num_heads,
-                        self.num_kv_heads, self.head_dim, self.eps, self.norm_offset, self.scale, self.soft_cap,
-                        self.small_batch_rows, not meta.prefill_kernel)
+        return self._op(self.state(kv_caches), x, positions, meta.slot_mapping, meta.decode_block_tables,
+                        meta.decode_context_lens, meta.prefill_block_tables, meta.prefill_chunk_info,
+                        meta.num_decodes, not meta.prefill_kernel)

@@ -24,6 +24,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -126,10 +127,10 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& small, cons
 // otherwise. `w` yields the projection's slots.
 template <typename Slot>
 at::Tensor project(const Ops& ops, const at::Tensor& x, Slot&& w, int64_t small_rows) {
-  const OptTensor packed = w(kPacked), small = w(kSmall), bias = w(kBias);
+  const OptTensor &packed = w(kPacked), &small = w(kSmall), &bias = w(kBias);
   if (small.has_value() && x.size(0) <= small_rows) return small_batch_linear_with(ops, x, *small, bias);
   if (packed.has_value()) return ops.packed_linear.call(x, *packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
-  const OptTensor weight = w(kWeight);
+  const OptTensor& weight = w(kWeight);
   TORCH_CHECK(weight.has_value(), "layer_stack: a projection has neither a plain nor a packed weight");
   return at::linear(x, *weight, bias);
 }
@@ -196,20 +197,54 @@ void sdpa_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, con
   }
 }
 
+// What a model's layer stack keeps from load to unload: the weights, the KV caches and the shape
+// constants. Built once (workers/model/cpu_layer_stack.py, again only when the runner's caches
+// change) and handed to every step as one object. Why: passed as arguments, the ~17 tensors a layer
+// (510 for the default model) were converted from Python objects on every step, each conversion
+// touching the tensor's Python object and its TensorImpl, both evicted from the caches by the
+// step's weight stream: ~0.17 ms of a 1-request step's ~9.5 (perf, 2-core Zen 4). The caches are
+// written by every step (reshape_and_cache): the object holds the tensors, not copies.
+struct LayerStack : torch::CustomClassHolder {
+  std::vector<OptTensor> weights;      // kSlotsPerLayer slots per layer (LayerSlot, LinearSlot)
+  std::vector<at::Tensor> k_caches;    // per layer, [num_blocks, block_size, kv_heads, head_dim]
+  std::vector<at::Tensor> v_caches;    // per layer, as k_caches
+  at::Tensor cos, sin;                 // the rotary table every layer shares
+  std::vector<int64_t> windows;        // per layer, its sliding window (0: none)
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, norm_offset, scale, soft_cap;  // the norms' epsilon and weight offset, softmax scale, logit soft cap (0: none)
+  int64_t small_batch_rows;            // rows up to which a projection takes its small-batch kernel
+
+  LayerStack(c10::List<std::optional<at::Tensor>> weight_slots, std::vector<at::Tensor> k, std::vector<at::Tensor> v,
+             at::Tensor cos_table, at::Tensor sin_table, std::vector<int64_t> sliding_windows, int64_t heads,
+             int64_t kv_heads, int64_t dim, double norm_eps, double offset, double softmax_scale, double cap,
+             int64_t small_rows)
+      : k_caches(std::move(k)), v_caches(std::move(v)), cos(std::move(cos_table)), sin(std::move(sin_table)),
+        windows(std::move(sliding_windows)), num_heads(heads), num_kv_heads(kv_heads), head_dim(dim), eps(norm_eps),
+        norm_offset(offset), scale(softmax_scale), soft_cap(cap), small_batch_rows(small_rows) {
+    const int64_t layers = static_cast<int64_t>(k_caches.size());
+    TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                    static_cast<int64_t>(windows.size()) == layers &&
+                    static_cast<int64_t>(weight_slots.size()) == layers * kSlotsPerLayer,
+                "layer_stack: ", layers, " layers need as many caches and windows and ", kSlotsPerLayer,
+                " weight slots each");
+    weights.reserve(weight_slots.size());
+    for (const auto& w : weight_slots) weights.push_back(w);
+    for (int64_t layer = 0; layer < layers; ++layer)
+      for (const LayerSlot s : {kInputNorm, kPostNorm})
+        TORCH_CHECK(weights[layer * kSlotsPerLayer + s].has_value(), "layer_stack: layer ", layer,
+                    " lacks weight slot ", static_cast<int64_t>(s));
+  }
+
+  int64_t layers() const { return static_cast<int64_t>(k_caches.size()); }
+  const OptTensor& slot(int64_t layer, int64_t s) const { return weights[layer * kSlotsPerLayer + s]; }
+};
+
 std::tuple<at::Tensor, at::Tensor> layer_stack(
-    const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& slot_mapping,
-    const std::optional<at::Tensor>& decode_block_tables, const std::optional<at::Tensor>& decode_context_lens,
-    const std::optional<at::Tensor>& prefill_block_tables, const std::optional<at::Tensor>& prefill_chunks,
-    c10::List<std::optional<at::Tensor>> weights, at::TensorList k_caches, at::TensorList v_caches,
-    const at::Tensor& cos, const at::Tensor& sin, c10::IntArrayRef sliding_windows, int64_t num_decodes,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double norm_offset, double scale,
-    double soft_cap, int64_t small_batch_rows, bool prefill_sdpa) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
-                  static_cast<int64_t>(sliding_windows.size()) == layers &&
-                  static_cast<int64_t>(weights.size()) == layers * kSlotsPerLayer,
-              "layer_stack: ", layers, " layers need as many caches and windows and ", kSlotsPerLayer,
-              " weight slots each");
+    const c10::intrusive_ptr<LayerStack>& stack, const at::Tensor& x_in, const at::Tensor& positions,
+    const at::Tensor& slot_mapping, const std::optional<at::Tensor>& decode_block_tables,
+    const std::optional<at::Tensor>& decode_context_lens, const std::optional<at::Tensor>& prefill_block_tables,
+    const std::optional<at::Tensor>& prefill_chunks, int64_t num_decodes, bool prefill_sdpa) {
+  const LayerStack& st = *stack;
   TORCH_CHECK(x_in.dim() == 2 && positions.numel() == x_in.size(0), "layer_stack: x [T, hidden], positions [T]");
   const int64_t tokens = x_in.size(0);
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "layer_stack: more decodes than tokens");
@@ -218,50 +253,47 @@ std::tuple<at::Tensor, at::Tensor> layer_stack(
   const bool chunks = num_decodes < tokens;
   TORCH_CHECK(!chunks || (prefill_block_tables.has_value() && prefill_chunks.has_value()),
               "layer_stack: prefill tokens need the prefill kernel's chunk table");
-  TORCH_CHECK(!(chunks && prefill_sdpa && soft_cap != 0.0),
+  TORCH_CHECK(!(chunks && prefill_sdpa && st.soft_cap != 0.0),
               "layer_stack: a soft cap needs the eager attention the Python loop runs (SDPA has no hook for it)");
   const Ops& ops = Ops::get();
+  const int64_t num_heads = st.num_heads, num_kv_heads = st.num_kv_heads, head_dim = st.head_dim;
+  const double eps = st.eps, norm_offset = st.norm_offset, scale = st.scale, soft_cap = st.soft_cap;
+  const int64_t small_batch_rows = st.small_batch_rows;
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  auto slot = [&](int64_t layer, int64_t s) -> OptTensor { return weights.get(layer * kSlotsPerLayer + s); };
   // The slots of the projection whose first slot is `first`, one LinearSlot at a time.
-  auto linear = [&](int64_t layer, LayerSlot first) {
-    return [&slot, layer, first](LinearSlot s) { return slot(layer, first + s); };
-  };
-  auto need = [&](int64_t layer, LayerSlot s) -> at::Tensor {
-    OptTensor t = slot(layer, s);
-    TORCH_CHECK(t.has_value(), "layer_stack: layer ", layer, " lacks weight slot ", static_cast<int64_t>(s));
-    return *t;
+  auto linear = [&st](int64_t layer, LayerSlot first) {
+    return [&st, layer, first](LinearSlot s) -> const OptTensor& { return st.slot(layer, first + s); };
   };
 
   at::Tensor x = x_in, residual, h;
-  for (int64_t layer = 0; layer < layers; ++layer) {
+  for (int64_t layer = 0; layer < st.layers(); ++layer) {
+    const at::Tensor& input_norm = *st.slot(layer, kInputNorm);
     if (layer == 0) {
       residual = x;
-      h = ops.rms_norm.call(x, need(layer, kInputNorm), eps, norm_offset);
+      h = ops.rms_norm.call(x, input_norm, eps, norm_offset);
     } else {
-      std::tie(residual, h) = ops.add_rms_norm.call(residual, x, need(layer, kInputNorm), eps, norm_offset);
+      std::tie(residual, h) = ops.add_rms_norm.call(residual, x, input_norm, eps, norm_offset);
     }
     const at::Tensor qkv = project(ops, h, linear(layer, kQkv), small_batch_rows);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "layer_stack: the QKV projection's width does not fit the heads");
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    ops.rotary.call(q, k, positions, cos, sin);
-    const at::Tensor& k_cache = k_caches[layer];
-    const at::Tensor& v_cache = v_caches[layer];
+    ops.rotary.call(q, k, positions, st.cos, st.sin);
+    const at::Tensor& k_cache = st.k_caches[layer];
+    const at::Tensor& v_cache = st.v_caches[layer];
     ops.reshape_and_cache.call(k, v, k_cache, v_cache, slot_mapping);
     at::Tensor out = at::empty({tokens, num_heads, head_dim}, q.options());
     if (num_decodes > 0)
       ops.decode_attention.call(out.narrow(0, 0, num_decodes), q.narrow(0, 0, num_decodes), k_cache, v_cache,
-                                *decode_block_tables, *decode_context_lens, scale, sliding_windows[layer], soft_cap);
+                                *decode_block_tables, *decode_context_lens, scale, st.windows[layer], soft_cap);
     if (chunks && prefill_sdpa)
-      sdpa_prefill(out, q, k, v, k_cache, v_cache, *prefill_block_tables, *prefill_chunks, scale,
-                   sliding_windows[layer]);
+      sdpa_prefill(out, q, k, v, k_cache, v_cache, *prefill_block_tables, *prefill_chunks, scale, st.windows[layer]);
     else if (chunks)
       ops.prefill_attention.call(out, q, k_cache, v_cache, *prefill_block_tables, *prefill_chunks, scale,
-                                 sliding_windows[layer], soft_cap);
+                                 st.windows[layer], soft_cap);
     const at::Tensor attn = project(ops, out.view({tokens, q_size}), linear(layer, kO), small_batch_rows);
-    std::tie(residual, h) = ops.add_rms_norm.call(residual, attn, need(layer, kPostNorm), eps, norm_offset);
+    std::tie(residual, h) = ops.add_rms_norm.call(residual, attn, *st.slot(layer, kPostNorm), eps, norm_offset);
     const at::Tensor gate_up = project(ops, h, linear(layer, kGateUp), small_batch_rows);
     x = project(ops, ops.silu_and_mul.call(gate_up), linear(layer, kDown), small_batch_rows);
   }
@@ -273,12 +305,16 @@ int64_t layer_stack_slots_per_layer() { return kSlotsPerLayer; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tpserve_cpu, m) {
+  m.class_<LayerStack>("LayerStack")
+      .def(torch::init<c10::List<std::optional<at::Tensor>>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       at::Tensor, at::Tensor, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double, double,
+                       double, int64_t>());
+  // The caches the stack holds are written in place (reshape_and_cache), unannotated here: the
+  // op is called eagerly, never traced.
   m.def(
-      "layer_stack(Tensor x, Tensor positions, Tensor slot_mapping, Tensor? decode_block_tables, "
-      "Tensor? decode_context_lens, Tensor? prefill_block_tables, Tensor? prefill_chunks, Tensor?[] weights, "
-      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, int[] sliding_windows, int num_decodes, "
-      "int num_heads, int num_kv_heads, int head_dim, float eps, float norm_offset, float scale, float soft_cap, "
-      "int small_batch_rows, bool prefill_sdpa) -> (Tensor, Tensor)",
+      "layer_stack(__torch__.torch.classes.tpserve_cpu.LayerStack stack, Tensor x, Tensor positions, "
+      "Tensor slot_mapping, Tensor? decode_block_tables, Tensor? decode_context_lens, Tensor? prefill_block_tables, "
+      "Tensor? prefill_chunks, int num_decodes, bool prefill_sdpa) -> (Tensor, Tensor)",
       &layer_stack);
   m.def("layer_stack_slots_per_layer() -> int", &layer_stack_slots_per_layer);
   m.def("small_batch_linear(Tensor x, Tensor small_batch_weight, Tensor? bias) -> Tensor", &small_batch_linear);
