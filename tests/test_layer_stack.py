@@ -206,8 +206,9 @@ def test_the_op_refuses_inputs_that_do_not_fit_its_layers(tmp_path):
 
     def call(decode_tables=tables, decode_lens=lens, num_decodes=1, chunk_tables=None, chunk_info=None,
              prefill_sdpa=False, held=None):
-        return cpu_ops.ops().layer_stack(state() if held is None else held, x, positions, slots, decode_tables, decode_lens,
-                                         chunk_tables, chunk_info, num_decodes, prefill_sdpa)
+        held = state() if held is None else held
+        return cpu_ops.ops().layer_stack(held, x, positions, slots, decode_tables, decode_lens, chunk_tables,
+                                         chunk_info, num_decodes, prefill_sdpa)
 
     hidden, residual = call()
     assert hidden.shape == residual.shape == (1, 128)

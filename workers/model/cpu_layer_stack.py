@@ -4,7 +4,8 @@ The Python loop costs ~12 op dispatches and ~6 module calls per layer: on a 2-co
 batch-1 decode step of the default model spent ~28% of its step thread in the interpreter and
 torch's bindings between ops. `CpuLayerStack` hands the same ops, in the same order, to the
 kernel library's `layer_stack`, which calls them through the dispatcher: the results are
-bit-identical (tests/test_layer_stack.py), only the time between ops goes.
+bit-identical (tests/test_layer_stack.py), only the time between ops goes. The weights, caches and
+shape constants go to C++ once, as a `LayerStack` object; a step passes only its batch.
 
 It serves the layers the fused-residual CPU path serves (Llama-style: pre-norms, SwiGLU, no
 per-head q/k norms) on one rank (a tensor-parallel rank all-reduces between ops, from Python),
@@ -86,10 +87,10 @@ class CpuLayerStack:
             raise AssertionError(f"layer_stack reads {slots} tensors per layer; {len(self.weights) // len(layers)} built")
         # The C++ side's LayerStack (weights, caches, constants), built on the first call, when the
         # runner's caches exist, and again only if the runner hands over another cache list.
-        self._state = None
+        self._state: torch.ScriptObject | None = None
         self._caches_of: list | None = None
 
-    def state(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def state(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.ScriptObject:
         """The C++ LayerStack over these caches: everything a step passes but its batch, converted
         from Python objects once instead of on every step."""
         if self._caches_of is not kv_caches:

@@ -202,17 +202,18 @@ void sdpa_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, con
 // change) and handed to every step as one object. Why: passed as arguments, the ~17 tensors a layer
 // (510 for the default model) were converted from Python objects on every step, each conversion
 // touching the tensor's Python object and its TensorImpl, both evicted from the caches by the
-// step's weight stream: ~0.17 ms of a 1-request step's ~9.5 (perf, 2-core Zen 4). The caches are
-// written by every step (reshape_and_cache): the object holds the tensors, not copies.
+// step's weight stream: ~0.1-0.17 ms of a 1-request step's ~9.5 (2-core Zen 4, docs/cpu-kernels.md).
+// The caches are written by every step (reshape_and_cache): the object holds the tensors, not copies.
 struct LayerStack : torch::CustomClassHolder {
-  std::vector<OptTensor> weights;      // kSlotsPerLayer slots per layer (LayerSlot, LinearSlot)
-  std::vector<at::Tensor> k_caches;    // per layer, [num_blocks, block_size, kv_heads, head_dim]
-  std::vector<at::Tensor> v_caches;    // per layer, as k_caches
-  at::Tensor cos, sin;                 // the rotary table every layer shares
-  std::vector<int64_t> windows;        // per layer, its sliding window (0: none)
-  int64_t num_heads, num_kv_heads, head_dim;
-  double eps, norm_offset, scale, soft_cap;  // the norms' epsilon and weight offset, softmax scale, logit soft cap (0: none)
-  int64_t small_batch_rows;            // rows up to which a projection takes its small-batch kernel
+  std::vector<OptTensor> weights;    // kSlotsPerLayer slots per layer (LayerSlot, LinearSlot)
+  std::vector<at::Tensor> k_caches;  // per layer, [num_blocks, block_size, kv_heads, head_dim]
+  std::vector<at::Tensor> v_caches;  // per layer, as k_caches
+  at::Tensor cos, sin;               // the rotary table every layer shares
+  std::vector<int64_t> windows;      // per layer, its sliding window (0: none)
+  int64_t num_heads, num_kv_heads, head_dim;  // query heads, KV heads, and their width
+  double eps, norm_offset;           // the RMS norms' epsilon and weight offset (Gemma's 1, else 0)
+  double scale, soft_cap;            // the softmax scale and the logit soft cap (0: none)
+  int64_t small_batch_rows;          // rows up to which a projection takes its small-batch kernel
 
   LayerStack(c10::List<std::optional<at::Tensor>> weight_slots, std::vector<at::Tensor> k, std::vector<at::Tensor> v,
              at::Tensor cos_table, at::Tensor sin_table, std::vector<int64_t> sliding_windows, int64_t heads,
